@@ -53,13 +53,12 @@ def _lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> Any:
             logger = cfg.get("trainer", {}).get("logger")
             loggers = logger if isinstance(logger, list) else [logger]
             for lg in loggers:
-                if isinstance(lg, dict) or hasattr(lg, "get"):
-                    if "Wandb" in str(lg.get("class_path", "")):
-                        save_dir = lg.get("init_args", {}).get("save_dir") or "."
-                        Path(save_dir).mkdir(parents=True, exist_ok=True)
-                        for k, v in wandb_dirs(save_dir).items():
-                            os.environ.setdefault(k, v)
-                            Path(v).mkdir(parents=True, exist_ok=True)
+                if hasattr(lg, "get") and "Wandb" in str(lg.get("class_path", "")):
+                    save_dir = lg.get("init_args", {}).get("save_dir") or "."
+                    Path(save_dir).mkdir(parents=True, exist_ok=True)
+                    for k, v in wandb_dirs(save_dir).items():
+                        os.environ.setdefault(k, v)
+                        Path(v).mkdir(parents=True, exist_ok=True)
 
     return CaptioningCLI(
         CaptioningModule,
@@ -88,6 +87,7 @@ def _shapes(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from_shell = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     command = argv[0] if argv else ""
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    _lightning_cli(argv)
+    _lightning_cli(None if from_shell else argv)
     return 0
 
 

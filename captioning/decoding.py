@@ -8,12 +8,13 @@ reordered; only the recurrent state is gathered.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from captioning.models.decoder import DecoderState, Memory
+if TYPE_CHECKING:  # type-only: importing captioning.models here would be circular
+    from captioning.models.decoder import DecoderState, Memory
 
 NEG_INF = float("-inf")
 
@@ -90,7 +91,7 @@ def greedy_search(
         live = ~done
         out_tokens[:, t] = torch.where(live, tokens, ids.pad)
         out_alphas[:, t] = alpha.float() * live.unsqueeze(1)
-        out_locs[:, t] = state.location
+        out_locs[:, t] = torch.where(live, state.location, 0)
         scores += torch.where(live, best, 0.0)
         lengths += live.long()
         done |= tokens == ids.end
@@ -122,7 +123,7 @@ def beam_search(
     N, L = features.size(0), features.size(1)
     k, device = beam_size, features.device
     memory = decoder.memory(features)
-    memory = Memory(*(m.repeat_interleave(k, dim=0) for m in memory))  # (N·k, ...)
+    memory = type(memory)(*(m.repeat_interleave(k, dim=0) for m in memory))  # (N·k, ...)
     state = decoder.init_state(memory)
     row_base = torch.arange(N, device=device).unsqueeze(1) * k  # (N, 1)
 
@@ -183,7 +184,7 @@ def beam_search(
         src = src_beam.gather(1, order)
         new_word = word.gather(1, order)
         rows = (row_base + src).view(-1)  # (N·k,) rows of the state to keep
-        state = DecoderState(*(s.index_select(0, rows) for s in state))
+        state = type(state)(*(s.index_select(0, rows) for s in state))
         alpha_rows = alpha.float().index_select(0, rows).view(N, k, 1, L)
         hist_tok = torch.cat([hist_tok.gather(1, src.unsqueeze(-1).expand_as(hist_tok)),
                               new_word.unsqueeze(-1)], dim=2)

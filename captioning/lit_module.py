@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,7 +59,7 @@ class CaptioningModule(L.LightningModule):
         self,
         *,
         vocab_size: int = 0,
-        net: CaptionerConfig | None = None,
+        net: CaptionerConfig = CaptionerConfig(),
         encoder_lr: float = 1e-4,
         decoder_lr: float = 4e-4,
         weight_decay: float = 0.0,
@@ -80,9 +80,8 @@ class CaptioningModule(L.LightningModule):
         super().__init__()
         if isinstance(net, dict):  # from a checkpoint's plain-data hyperparameters
             net = CaptionerConfig.from_dict(net)
-        net = net or CaptionerConfig()
         if vocab_size:
-            net.vocab_size = vocab_size
+            net = replace(net, vocab_size=vocab_size)
         self.save_hyperparameters(ignore=["net"])
         self.hparams["net"] = net.to_dict()
         self.captioner = Captioner(net)
@@ -110,6 +109,22 @@ class CaptioningModule(L.LightningModule):
                     f"vocabulary has {len(vocab)} words but the model was built for "
                     f"{self.net_config.vocab_size}; rebuild the model or use the matching vocab")
             self.vocab = vocab
+        if (dm is not None and getattr(dm, "feature_cache", False)
+                and hasattr(dm, "use_encoder_cache") and not self.net_config.finetune_encoder):
+            self._attach_feature_cache(dm)
+
+    def _attach_feature_cache(self, dm: Any) -> None:
+        """Frozen encoder: the data module serves cached annotation grids, so training never
+        runs the CNN. Rank zero builds the cache; the other ranks then open it."""
+        cfg = self.net_config
+        key = {"backbone": cfg.backbone, "grid_size": cfg.grid_size,
+               "channels_last": cfg.channels_last, "weights": encoder_fingerprint(self.captioner.encoder)}
+        strategy = self.trainer.strategy
+        if self.trainer.is_global_zero:
+            dm.use_encoder_cache(self.captioner.encoder, key, device=strategy.root_device)
+        strategy.barrier("feature-cache")
+        if not self.trainer.is_global_zero:
+            dm.use_encoder_cache(self.captioner.encoder, key, device=strategy.root_device)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.vocab is not None:
@@ -294,6 +309,17 @@ class CaptioningModule(L.LightningModule):
         (folder / f"{split}_metrics.json").write_text(json.dumps(results.metrics, indent=2))
         log.info("wrote %s and %s", folder / f"{split}_captions.json", folder / f"{split}_metrics.json")
         return folder
+
+
+def encoder_fingerprint(encoder: torch.nn.Module) -> str:
+    """A hash of the encoder's weights: the cache key changes when they do."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(encoder.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def compute_metrics(results: EvalResults, datamodule: Any, *, grid: tuple[int, int]) -> dict[str, float]:

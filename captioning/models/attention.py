@@ -28,7 +28,9 @@ class AdditiveAttention(nn.Module):
         super().__init__()
         self.key = nn.Linear(feature_dim, attn_dim)  # W_a, applied once per image
         self.query = nn.Linear(hidden_dim, attn_dim, bias=False)  # W_h
-        self.score = nn.Linear(attn_dim, 1)  # w
+        # No bias on w: α = softmax(e) is invariant to a shift shared by all locations, so a
+        # bias here would be a parameter that never receives a gradient.
+        self.score = nn.Linear(attn_dim, 1, bias=False)  # w
 
     def project(self, features: Tensor) -> Tensor:
         """W_a a_i for every location: (B, L, D) -> (B, L, A). Computed once, reused each step."""

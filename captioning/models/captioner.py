@@ -20,7 +20,7 @@ from captioning.models.encoder import CNNEncoder
 Strategy = Literal["greedy", "beam"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CaptionerConfig:
     """Everything needed to rebuild a Captioner; stored as a plain dict in checkpoints."""
 

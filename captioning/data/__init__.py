@@ -1,0 +1,31 @@
+"""Data: image loading, annotation readers, the shapes dataset and the Lightning data module.
+
+Names are imported lazily, so `from captioning.data.images import load_image` does not pull in
+Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "ImageLoadError": "images", "check_image": "images", "load_image": "images",
+    "image_size_ok": "images",
+    "DataError": "readers", "ImageRecord": "readers", "Problem": "readers",
+    "Records": "readers", "read_coco_captions": "readers", "read_karpathy": "readers",
+    "COLORS": "shapes", "SHAPES": "shapes", "SIZES": "shapes", "generate_shapes": "shapes",
+    "load_boxes": "shapes", "parse_objects": "shapes", "scene_objects": "shapes",
+    "IMAGENET_MEAN": "datamodule", "IMAGENET_STD": "datamodule",
+    "BucketBatchSampler": "datamodule", "CaptionBatch": "datamodule",
+    "CaptionDataModule": "datamodule", "build_image_transform": "datamodule",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,0 +1,363 @@
+"""Readers for caption annotation files.
+
+* `read_karpathy`: the Karpathy split files (dataset_coco.json, dataset_flickr8k.json,
+  dataset_flickr30k.json and the shapes dataset's dataset_shapes.json).
+* `read_coco_captions`: raw COCO caption annotations (captions_train2014.json, ...).
+
+Both return `Records`, a list of `ImageRecord` that also carries the problems found and what was
+skipped. Bad input is reported as `Problem(file, entry, field, message)`; with
+`on_error="fail"` (the default) any problem raises `DataError` listing the first ten; with
+`on_error="skip"` bad captions and bad image entries are dropped and counted. Malformed JSON and a
+wrong top-level structure always raise. The work per caption is one `tokenize` call, so a
+COCO-size Karpathy file (123k images, 616k captions) reads in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from captioning.vocab import tokenize
+
+try:  # the tokenizer's own pattern: search() is findall() != [] without building the list
+    from captioning.vocab import _TOKEN_RE
+
+    def _has_tokens(text: str) -> bool:
+        return _TOKEN_RE.search(text.lower()) is not None
+except ImportError:  # pragma: no cover
+
+    def _has_tokens(text: str) -> bool:
+        return bool(tokenize(text))
+
+OnError = Literal["fail", "skip"]
+SPLITS: tuple[str, ...] = ("train", "restval", "val", "test")
+#: How many problems a DataError message lists.
+MAX_LISTED = 10
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """One image and its raw reference captions."""
+
+    image_id: int | str
+    path: Path
+    split: str  # "train" | "val" | "test" ("restval" when not merged into train)
+    captions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One defect in an input file: which file, which entry, which field, and what is wrong."""
+
+    file: str
+    entry: str  # e.g. "images[12] (id 391895)"
+    field: str  # e.g. "sentences[2].raw"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.entry}: field '{self.field}': {self.message}"
+
+
+class DataError(ValueError):
+    """Bad input data. `problems` holds every problem found; the message lists the first ten."""
+
+    def __init__(self, problems: Iterable[Problem]) -> None:
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        n = len(self.problems)
+        if n == 1:
+            msg = str(self.problems[0])
+        else:
+            lines = [f"  {p}" for p in self.problems[:MAX_LISTED]]
+            if n > MAX_LISTED:
+                lines.append(f"  ... and {n - MAX_LISTED} more")
+            msg = f"{n} problems in the data:\n" + "\n".join(lines)
+        super().__init__(msg)
+
+
+class Records(list[ImageRecord]):
+    """A list of `ImageRecord` plus the problems found while reading and the skip counts."""
+
+    def __init__(
+        self,
+        records: Iterable[ImageRecord] = (),
+        *,
+        problems: Iterable[Problem] = (),
+        skipped_images: int = 0,
+        skipped_captions: int = 0,
+    ) -> None:
+        super().__init__(records)
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        self.skipped_images = skipped_images
+        self.skipped_captions = skipped_captions
+
+
+def check_policy(on_error: str) -> None:
+    if on_error not in ("fail", "skip"):
+        raise ValueError(f"on_error must be 'fail' or 'skip', got {on_error!r}")
+
+
+def _finish(records: list[ImageRecord], problems: list[Problem], on_error: str,
+            skipped_images: int, skipped_captions: int) -> Records:
+    if problems and on_error == "fail":
+        raise DataError(problems)
+    return Records(records, problems=problems, skipped_images=skipped_images,
+                   skipped_captions=skipped_captions)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _load_json(file: Path, object_hook: Callable[[dict], Any] | None = None) -> Any:
+    """Parse a JSON file; every failure is a DataError naming the file (and line/column)."""
+    top = "(file)"
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f, object_hook=object_hook)
+    except FileNotFoundError:
+        raise DataError([Problem(str(file), top, "(file)", "file does not exist")]) from None
+    except IsADirectoryError:
+        raise DataError([Problem(str(file), top, "(file)", "is a directory")]) from None
+    except json.JSONDecodeError as e:
+        raise DataError([Problem(str(file), f"line {e.lineno} column {e.colno}", "(json)",
+                                 f"malformed JSON: {e.msg}")]) from e
+    except UnicodeDecodeError as e:
+        raise DataError([Problem(str(file), f"byte {e.start}", "(encoding)",
+                                 f"not UTF-8 text: {e.reason}")]) from e
+
+
+def _top_list(data: Any, file: Path, key: str) -> list:
+    if not isinstance(data, dict):
+        raise DataError([Problem(str(file), "(top level)", key,
+                                 f"expected a JSON object with a '{key}' list, got "
+                                 f"{_type_name(data)}")])
+    value = data.get(key)
+    if not isinstance(value, list):
+        what = "missing" if key not in data else f"expected a list, got {_type_name(value)}"
+        raise DataError([Problem(str(file), "(top level)", key, what)])
+    return value
+
+
+def _valid_id(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, str) and value != "")
+
+
+def _caption_problem(raw: Any) -> str | None:
+    """Why a raw caption is unusable, or None when it is fine."""
+    if not isinstance(raw, str):
+        return f"expected a string, got {_type_name(raw)}"
+    if not raw.strip():
+        return "caption is empty or whitespace"
+    if not _has_tokens(raw):  # == not tokenize(raw), ~4x cheaper at COCO scale
+        return f"caption has no word tokens: {raw!r}"
+    return None
+
+
+def _drop_tokens(d: dict) -> dict:
+    # Karpathy sentences carry both "raw" and "tokens"; we re-tokenise "raw" ourselves, so the
+    # token lists are freed as soon as they are parsed (keeps a COCO-size file well under 2 GB).
+    if "raw" in d and "tokens" in d:
+        del d["tokens"]
+    return d
+
+
+def read_karpathy(
+    split_file: str | os.PathLike[str],
+    image_root: str | os.PathLike[str],
+    *,
+    merge_restval: bool = True,
+    on_error: OnError = "fail",
+) -> Records:
+    """Read a Karpathy split file. Image path = image_root / filepath / filename.
+
+    `filepath` is optional (absent in the Flickr files); the image id is `cocoid` when present,
+    else `imgid`. "restval" images become "train" when `merge_restval`, else stay "restval".
+    """
+    check_policy(on_error)
+    file = Path(split_file)
+    fname = str(file)
+    root = str(image_root)
+    images = _top_list(_load_json(file, _drop_tokens), file, "images")
+
+    problems: list[Problem] = []
+    records: list[ImageRecord] = []
+    seen: dict[Any, int] = {}
+    skipped_images = skipped_captions = 0
+    split_names = frozenset(SPLITS)
+
+    for i, item in enumerate(images):
+        if not isinstance(item, dict):
+            problems.append(Problem(fname, f"images[{i}]", "(entry)",
+                                    f"expected an object, got {_type_name(item)}"))
+            skipped_images += 1
+            continue
+        id_field = "cocoid" if "cocoid" in item else "imgid"
+        image_id = item.get(id_field)
+        entry = f"images[{i}] (id {image_id!r})"
+        n_before = len(problems)
+
+        if id_field not in item:
+            problems.append(Problem(fname, entry, "cocoid/imgid", "missing image id"))
+        elif not _valid_id(image_id):
+            problems.append(Problem(fname, entry, id_field,
+                                    f"expected an int or non-empty string, got "
+                                    f"{_type_name(image_id)}"))
+        elif image_id in seen:
+            problems.append(Problem(fname, entry, id_field,
+                                    f"duplicate image id (first at images[{seen[image_id]}])"))
+        else:
+            seen[image_id] = i
+
+        filename = item.get("filename")
+        if not isinstance(filename, str) or not filename:
+            problems.append(Problem(fname, entry, "filename",
+                                    "missing" if "filename" not in item else
+                                    f"expected a non-empty string, got {filename!r}"))
+        filepath = item.get("filepath", "")
+        if not isinstance(filepath, str):
+            problems.append(Problem(fname, entry, "filepath",
+                                    f"expected a string, got {_type_name(filepath)}"))
+        split = item.get("split")
+        if split not in split_names:
+            problems.append(Problem(fname, entry, "split",
+                                    "missing" if "split" not in item else
+                                    f"unknown split {split!r} (expected one of {SPLITS})"))
+        sentences = item.get("sentences")
+        if not isinstance(sentences, list):
+            problems.append(Problem(fname, entry, "sentences",
+                                    "missing" if "sentences" not in item else
+                                    f"expected a list, got {_type_name(sentences)}"))
+        if len(problems) > n_before:
+            skipped_images += 1
+            continue
+
+        captions: list[str] = []
+        for j, sent in enumerate(sentences):
+            if not isinstance(sent, dict):
+                why, field = f"expected an object, got {_type_name(sent)}", f"sentences[{j}]"
+            else:
+                raw = sent.get("raw")
+                if raw is None and isinstance(sent.get("tokens"), list) and all(
+                        isinstance(t, str) for t in sent["tokens"]):
+                    raw = " ".join(sent["tokens"])  # no "raw": fall back to the tokens
+                field = f"sentences[{j}].raw"
+                why = "missing" if raw is None and "raw" not in sent else _caption_problem(raw)
+            if why is None:
+                captions.append(raw.strip())
+            else:
+                problems.append(Problem(fname, entry, field, why))
+                skipped_captions += 1
+        if not captions:
+            problems.append(Problem(fname, entry, "sentences", "no usable captions"))
+            skipped_images += 1
+            continue
+        if split == "restval" and merge_restval:
+            split = "train"
+        path = Path(os.path.join(root, filepath, filename))
+        records.append(ImageRecord(image_id, path, split, tuple(captions)))
+
+    return _finish(records, problems, on_error, skipped_images, skipped_captions)
+
+
+def read_coco_captions(
+    annotations_file: str | os.PathLike[str],
+    image_dir: str | os.PathLike[str],
+    *,
+    split: str,
+    on_error: OnError = "fail",
+) -> Records:
+    """Read a raw COCO captions file ({"images": [...], "annotations": [...]}).
+
+    Every record gets `split`; path = image_dir / file_name; captions keep the file's order.
+    """
+    check_policy(on_error)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    file = Path(annotations_file)
+    fname = str(file)
+    root = str(image_dir)
+    data = _load_json(file)
+    images = _top_list(data, file, "images")
+    annotations = _top_list(data, file, "annotations")
+
+    problems: list[Problem] = []
+    skipped_images = skipped_captions = 0
+    entries: list[tuple[int, Any, str]] = []  # (index, id, file_name) of good image entries
+    index_of: dict[Any, int] = {}
+    bad_ids: set[Any] = set()
+
+    for i, item in enumerate(images):
+        if not isinstance(item, dict):
+            problems.append(Problem(fname, f"images[{i}]", "(entry)",
+                                    f"expected an object, got {_type_name(item)}"))
+            skipped_images += 1
+            continue
+        image_id = item.get("id")
+        entry = f"images[{i}] (id {image_id!r})"
+        n_before = len(problems)
+        if "id" not in item:
+            problems.append(Problem(fname, entry, "id", "missing image id"))
+        elif not _valid_id(image_id):
+            problems.append(Problem(fname, entry, "id",
+                                    f"expected an int or non-empty string, got "
+                                    f"{_type_name(image_id)}"))
+        elif image_id in index_of or image_id in bad_ids:
+            first = index_of.get(image_id)
+            where = f" (first at images[{first}])" if first is not None else ""
+            problems.append(Problem(fname, entry, "id", f"duplicate image id{where}"))
+        file_name = item.get("file_name")
+        if not isinstance(file_name, str) or not file_name:
+            problems.append(Problem(fname, entry, "file_name",
+                                    "missing" if "file_name" not in item else
+                                    f"expected a non-empty string, got {file_name!r}"))
+        if len(problems) > n_before:
+            skipped_images += 1
+            if _valid_id(image_id):
+                bad_ids.add(image_id)
+            continue
+        index_of[image_id] = i
+        entries.append((i, image_id, file_name))
+
+    captions: dict[Any, list[str]] = {image_id: [] for _, image_id, _ in entries}
+    for j, ann in enumerate(annotations):
+        if not isinstance(ann, dict):
+            problems.append(Problem(fname, f"annotations[{j}]", "(entry)",
+                                    f"expected an object, got {_type_name(ann)}"))
+            skipped_captions += 1
+            continue
+        image_id = ann.get("image_id")
+        entry = f"annotations[{j}] (id {ann.get('id')!r}, image_id {image_id!r})"
+        if "image_id" not in ann:
+            why, field = "missing", "image_id"
+        elif not _valid_id(image_id):
+            why, field = f"expected an int or string, got {_type_name(image_id)}", "image_id"
+        elif image_id not in captions:
+            why, field = ("refers to an image entry that was rejected" if image_id in bad_ids
+                          else "no image with this id in 'images'"), "image_id"
+        else:
+            raw = ann.get("caption")
+            field = "caption"
+            why = "missing" if "caption" not in ann else _caption_problem(raw)
+        if why is None:
+            captions[image_id].append(raw.strip())
+        else:
+            problems.append(Problem(fname, entry, field, why))
+            skipped_captions += 1
+
+    records: list[ImageRecord] = []
+    for i, image_id, file_name in entries:
+        caps = captions[image_id]
+        if not caps:
+            problems.append(Problem(fname, f"images[{i}] (id {image_id!r})", "annotations",
+                                    "image has no usable captions"))
+            skipped_images += 1
+            continue
+        records.append(ImageRecord(image_id, Path(os.path.join(root, file_name)), split,
+                                   tuple(caps)))
+
+    return _finish(records, problems, on_error, skipped_images, skipped_captions)

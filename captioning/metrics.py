@@ -1,0 +1,465 @@
+"""Caption metrics: COCO scores (BLEU, METEOR, ROUGE-L, CIDEr, optional SPICE), object accuracy
+on the synthetic shapes data, and attention pointing accuracy.
+
+`coco_scores` runs pycocoevalcap (coco-caption) unchanged: its Java PTBTokenizer on the raw
+references and hypotheses, then its scorers. Java is required (the tokenizer and METEOR are Java
+programs): without it `coco_scores` raises `RuntimeError` rather than report partial results.
+SPICE also needs the Stanford CoreNLP 3.6.0 jars, which pycocoevalcap downloads on first use;
+when they are missing (no internet here) SPICE is skipped with the warning
+"SPICE unavailable: <reason>" and the other metrics are still returned.
+
+The module imports neither torch nor the shapes data module at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from captioning.vocab import SPECIALS
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+COCO_METRICS: tuple[str, ...] = (
+    "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr",
+)
+METEOR_TIMEOUT_S = 600.0  # the METEOR JVM is killed when it does not answer within this time
+
+_SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIALS))
+_SPICE_CORENLP_JARS = ("stanford-corenlp-3.6.0.jar", "stanford-corenlp-3.6.0-models.jar")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def strip_special_tokens(text: str) -> str:
+    """Remove `<start>`, `<end>`, `<pad>`, `<unk>` and squeeze whitespace."""
+    return " ".join(_SPECIAL_RE.sub(" ", text).split())
+
+
+def _as_text(value: Any, *, what: str, key: Hashable) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Sequence) and all(isinstance(t, str) for t in value):
+        return " ".join(value)  # a list of tokens
+    raise TypeError(f"{what} for id {key!r} must be a string, got {type(value).__name__}")
+
+
+def _check_keys(a: Mapping, b: Mapping, a_name: str, b_name: str) -> None:
+    ka, kb = set(a), set(b)
+    if ka != kb:
+        only_a, only_b = sorted(map(repr, ka - kb))[:5], sorted(map(repr, kb - ka))[:5]
+        raise ValueError(
+            f"{a_name} and {b_name} must have the same ids: {len(ka - kb)} only in {a_name} "
+            f"(e.g. {', '.join(only_a) or '-'}), {len(kb - ka)} only in {b_name} "
+            f"(e.g. {', '.join(only_b) or '-'})"
+        )
+    if not ka:
+        raise ValueError(f"{a_name} and {b_name} are empty")
+
+
+class _Captured:
+    text = ""
+
+
+@contextlib.contextmanager
+def _captured_output() -> Iterator[_Captured]:
+    """Capture Python-level stdout/stderr and the OS file descriptors 1 and 2.
+
+    The scorers print (BLEU) and their Java children write to the inherited descriptors
+    (the PTBTokenizer reports on stderr, SPICE on both); none of it should reach users.
+    Descriptor redirection is process-wide for the duration of the block.
+    """
+    captured = _Captured()
+    buf = io.StringIO()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved: list[tuple[int, int]] = []
+    with tempfile.TemporaryFile() as tmp:
+        for fd in (1, 2):
+            try:
+                saved.append((fd, os.dup(fd)))
+                os.dup2(tmp.fileno(), fd)
+            except OSError:  # no such descriptor (embedded interpreters): Python level only
+                pass
+        try:
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                yield captured
+        finally:
+            for fd, dup in saved:
+                os.dup2(dup, fd)
+                os.close(dup)
+            tmp.seek(0)
+            captured.text = buf.getvalue() + tmp.read().decode(errors="replace")
+
+
+def _log_captured(name: str, text: str, level: int = logging.DEBUG) -> None:
+    text = text.strip()
+    if text:
+        log.log(level, "%s output:\n%s", name, text)
+
+
+def _ptb_tokenize(captions: Mapping[Hashable, list[str]]) -> dict[Hashable, list[str]]:
+    """pycocoevalcap's PTBTokenizer; empty strings are kept as "" and never sent to Java."""
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    todo = {k: [{"caption": c} for c in caps if c.strip()] for k, caps in captions.items()}
+    todo = {k: v for k, v in todo.items() if v}
+    done = PTBTokenizer().tokenize(todo) if todo else {}
+    out: dict[Hashable, list[str]] = {}
+    for k, caps in captions.items():
+        toks = iter(done.get(k, []))
+        out[k] = [next(toks) if c.strip() else "" for c in caps]
+    return out
+
+
+def _close_meteor(meteor: Any) -> None:
+    """Stop the METEOR JVM now (pycocoevalcap only does it in __del__)."""
+    proc = meteor.meteor_p
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        with contextlib.suppress(Exception):
+            stream.close()
+    with contextlib.suppress(Exception):
+        proc.kill()
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=30)
+    # its __del__ takes this lock; a fresh one keeps __del__ from blocking if scoring failed
+    meteor.lock = threading.Lock()
+
+
+def _meteor_score(
+    gts: dict[Hashable, list[str]], res: dict[Hashable, list[str]], *, timeout: float
+) -> float:
+    from pycocoevalcap.meteor.meteor import Meteor
+
+    meteor = Meteor()
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        meteor.meteor_p.kill()
+
+    watchdog = threading.Timer(timeout, kill)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        score, _ = meteor.compute_score(gts, res)
+    except (ValueError, OSError) as e:
+        if timed_out.is_set():
+            raise RuntimeError(f"METEOR did not answer within {timeout:g} s; killed it") from e
+        raise RuntimeError(f"METEOR failed: {e}") from e
+    finally:
+        watchdog.cancel()
+        _close_meteor(meteor)
+    return float(score)
+
+
+# --------------------------------------------------------------------------- SPICE
+
+
+def _spice_dir() -> Path | None:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("pycocoevalcap.spice.spice")
+    except ImportError:  # pycocoevalcap itself is missing
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).resolve().parent
+
+
+def spice_available() -> tuple[bool, str]:
+    """Whether SPICE can run offline, and why not.
+
+    pycocoevalcap's SPICE runs `java -jar spice-1.0.jar` in its `spice/` folder; the jar needs
+    `spice/lib/stanford-corenlp-3.6.0.jar` and `...-models.jar`, which pycocoevalcap would
+    download (from nlp.stanford.edu) on first use when the first is missing.
+    """
+    if shutil.which("java") is None:
+        return False, "no java executable on PATH"
+    spice_dir = _spice_dir()
+    if spice_dir is None:
+        return False, "pycocoevalcap is not installed"
+    jar = spice_dir / "spice-1.0.jar"
+    if not jar.is_file():
+        return False, f"{jar} is missing"
+    missing = [n for n in _SPICE_CORENLP_JARS if not (spice_dir / "lib" / n).is_file()]
+    if missing:
+        return False, (
+            f"Stanford CoreNLP 3.6.0 jars missing from {spice_dir / 'lib'}: {', '.join(missing)} "
+            "(pycocoevalcap downloads them from nlp.stanford.edu on first use; put "
+            "stanford-corenlp-3.6.0.jar and stanford-corenlp-3.6.0-models.jar from "
+            "stanford-corenlp-full-2015-12-09.zip there to enable SPICE)"
+        )
+    return True, "ok"
+
+
+def _spice_score(gts: dict[Hashable, list[str]], res: dict[Hashable, list[str]]) -> float | None:
+    ok, reason = spice_available()
+    if not ok:
+        log.warning("SPICE unavailable: %s", reason)
+        return None
+    from pycocoevalcap.spice.spice import Spice
+
+    out = _Captured()
+    try:
+        with _captured_output() as out:
+            score, _ = Spice().compute_score(gts, res)
+    except Exception as e:  # a failed Java run, unreadable output, ...
+        _log_captured("SPICE", out.text, logging.WARNING)
+        log.warning("SPICE unavailable: the SPICE run failed: %s", e)
+        return None
+    _log_captured("SPICE", out.text)
+    return float(score)
+
+
+# --------------------------------------------------------------------------- COCO scores
+
+
+def coco_scores(
+    references: Mapping[Any, Sequence[str]],
+    hypotheses: Mapping[Any, str],
+    *,
+    spice: bool = False,
+    meteor_timeout: float = METEOR_TIMEOUT_S,
+) -> dict[str, float]:
+    """Corpus-level coco-caption scores of `hypotheses` (one caption per id) against
+    `references` (raw reference captions per id); both dicts must have the same ids.
+
+    Returns "BLEU-1".."BLEU-4", "METEOR", "ROUGE-L" as fractions in [0, 1], "CIDEr" (CIDEr-D,
+    unscaled) and, when `spice=True` and SPICE can run, "SPICE" (otherwise a warning
+    "SPICE unavailable: <reason>" is logged and the key is absent).
+
+    Special tokens (`<start>`, `<end>`, `<pad>`, `<unk>`) are removed from hypotheses and
+    references before tokenising. Empty hypotheses are allowed (they score zero). A hypothesis
+    may also be given as a list of tokens. The scorers' console output is captured and logged
+    at DEBUG. METEOR runs in a JVM that is always shut down before returning; it is killed if
+    it does not answer within `meteor_timeout` seconds (then RuntimeError).
+
+    Raises ValueError on mismatched ids or an id without references, RuntimeError when Java is
+    missing (the PTBTokenizer and METEOR need it) or METEOR fails.
+    """
+    _check_keys(references, hypotheses, "references", "hypotheses")
+    if shutil.which("java") is None:
+        raise RuntimeError(
+            "coco_scores needs a Java runtime (pycocoevalcap's PTBTokenizer and METEOR are Java "
+            "programs) but no 'java' is on PATH; install a JRE (e.g. openjdk-17-jre-headless)"
+        )
+    try:
+        from pycocoevalcap.bleu.bleu import Bleu
+        from pycocoevalcap.cider.cider import Cider
+        from pycocoevalcap.rouge.rouge import Rouge
+    except ImportError as e:
+        raise RuntimeError(f"coco_scores needs pycocoevalcap: {e}") from e
+
+    refs: dict[Hashable, list[str]] = {}
+    hyps: dict[Hashable, list[str]] = {}
+    for key in references:
+        r = references[key]
+        if isinstance(r, str) or not r:
+            raise ValueError(f"references for id {key!r} must be a non-empty list of strings")
+        refs[key] = [strip_special_tokens(_as_text(c, what="reference", key=key)) for c in r]
+        hyps[key] = [strip_special_tokens(_as_text(hypotheses[key], what="hypothesis", key=key))]
+
+    out = _Captured()
+    try:
+        with _captured_output() as out:
+            gts, res = _ptb_tokenize(refs), _ptb_tokenize(hyps)
+            bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
+            rouge, _ = Rouge().compute_score(gts, res)
+            cider, _ = Cider().compute_score(gts, res)
+            meteor = _meteor_score(gts, res, timeout=meteor_timeout)
+    except Exception:
+        _log_captured("coco-caption", out.text, logging.WARNING)
+        raise
+    _log_captured("coco-caption", out.text)
+
+    scores = {f"BLEU-{n + 1}": float(b) for n, b in enumerate(bleu)}
+    scores.update({"METEOR": meteor, "ROUGE-L": float(rouge), "CIDEr": float(cider)})
+    if spice:
+        s = _spice_score(gts, res)
+        if s is not None:
+            scores["SPICE"] = s
+    log.debug("coco scores on %d images: %s", len(refs), scores)
+    return scores
+
+
+# --------------------------------------------------------------------------- objects
+
+
+def _default_parse() -> Callable[[str], set[tuple[str, str]]]:
+    from captioning.data.shapes import parse_objects
+
+    return parse_objects
+
+
+def objects_correct(
+    hypotheses: Mapping[Any, str],
+    objects: Mapping[Any, Collection[tuple[str, str]]],
+    *,
+    parse: Callable[[str], set[tuple[str, str]]] | None = None,
+) -> float:
+    """Share of images whose caption names exactly the true set of (colour, shape) pairs.
+
+    `parse` defaults to `captioning.data.shapes.parse_objects`. Both dicts must have the same
+    ids. Special tokens are removed before parsing.
+    """
+    _check_keys(objects, hypotheses, "objects", "hypotheses")
+    parse = parse or _default_parse()
+    good = sum(
+        set(parse(strip_special_tokens(_as_text(hypotheses[k], what="hypothesis", key=k))))
+        == {tuple(o) for o in objects[k]}
+        for k in objects
+    )
+    return good / len(objects)
+
+
+# --------------------------------------------------------------------------- pointing
+
+
+def boxes_to_crop_coords(
+    bbox: Sequence[float], width: int, height: int, *, size: int | None = None
+) -> tuple[float, float, float, float]:
+    """A pixel box [x, y, w, h] of a `width` x `height` image, in normalised [0, 1] xywh of the
+    model input made by the eval transform: resize the shorter side, then centre-crop a square.
+
+    The visible square is the centred min(width, height) square of the original image; boxes
+    are clipped to it (a box entirely outside gets zero width/height). With `size` (the crop
+    side in pixels) torchvision's rounding of Resize(size) + CenterCrop(size) is reproduced
+    exactly; without it the continuous geometry is used (they differ by under a pixel).
+    """
+    x, y, w, h = (float(v) for v in bbox)
+    if size is None:
+        side = float(min(width, height))
+        sx = sy = 1.0 / side
+        left, top = (width - side) / 2.0 * sx, (height - side) / 2.0 * sy
+    else:
+        # torchvision Resize(int): shorter side -> size, longer side truncated to int
+        if width <= height:
+            new_w, new_h = size, int(size * height / width)
+        else:
+            new_w, new_h = int(size * width / height), size
+        sx, sy = new_w / width / size, new_h / height / size
+        left = round((new_w - size) / 2.0) / size  # CenterCrop offsets (Python round)
+        top = round((new_h - size) / 2.0) / size
+    x0, y0 = min(max(x * sx - left, 0.0), 1.0), min(max(y * sy - top, 0.0), 1.0)
+    x1, y1 = min(max((x + w) * sx - left, 0.0), 1.0), min(max((y + h) * sy - top, 0.0), 1.0)
+    return x0, y0, x1 - x0, y1 - y0
+
+
+def _singular(word: str, names: Collection[str]) -> str | None:
+    """The object name `word` refers to (singular or plural), or None."""
+    if word in names:
+        return word
+    for suffix in ("es", "s"):
+        if word.endswith(suffix) and word[: -len(suffix)] in names:
+            return word[: -len(suffix)]
+    return None
+
+
+def _default_words() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    from captioning.data import shapes
+
+    return tuple(shapes.SHAPES), tuple(shapes.COLORS), tuple(getattr(shapes, "SIZES", ()))
+
+
+def pointing_accuracy(
+    words: Sequence[Sequence[str]],
+    alphas: Tensor | Sequence[Any],
+    grid: tuple[int, int],
+    boxes: Sequence[Sequence[Mapping[str, Any]]],
+    *,
+    object_words: Iterable[str] | None = None,
+    color_words: Iterable[str] | None = None,
+    modifier_words: Iterable[str] | None = None,
+) -> tuple[float, int, int]:
+    """How often the attention peak falls on the object a generated word names.
+
+    words[i][t] is the t-th generated word of caption i and alphas[i][t] (L = gh*gw weights,
+    row-major over the (gh, gw) grid) the attention used to emit it; `alphas` is a (N, T, L)
+    tensor or a list of (T_i, L) tensors/arrays with T_i >= len(words[i]). boxes[i] lists the
+    objects of image i as dicts with "color", "shape" and "bbox" = [x, y, w, h] normalised to
+    [0, 1] in the model input (see `boxes_to_crop_coords`).
+
+    Scored words: a word naming an object class (in `object_words`, default shapes.SHAPES;
+    plural "-s"/"-es" forms count) whose class occurs in the image. The referred objects are
+    the image's objects of that shape; when the word right before it, or the one before a
+    single modifier (`modifier_words`, default shapes.SIZES: "red large circle"), is a colour
+    word (default shapes.COLORS) that one of them has, only those of that colour, as
+    `shapes.parse_objects` binds them. Words whose shape is absent from the image are not
+    scored.
+
+    Hit criterion: the argmax cell (r, c) of alphas[i][t] covers the rectangle
+    [c/gw, (c+1)/gw) x [r/gh, (r+1)/gh) of the input; the word is a hit when this rectangle
+    and the box of a referred object overlap with positive area (intersection, not
+    containment: with coarse grids such as 7x7 one cell is a large region, and a small object
+    may lie wholly inside it or straddle several cells).
+
+    Returns (hits / scored, hits, scored); accuracy is NaN when nothing was scored.
+    """
+    import torch
+
+    gh, gw = grid
+    if object_words is None or color_words is None or modifier_words is None:
+        d_shapes, d_colors, d_sizes = _default_words()
+        object_words = d_shapes if object_words is None else object_words
+        color_words = d_colors if color_words is None else color_words
+        modifier_words = d_sizes if modifier_words is None else modifier_words
+    names, colors, modifiers = set(object_words), set(color_words), set(modifier_words)
+    if not (len(words) == len(alphas) == len(boxes)):
+        raise ValueError(
+            f"words, alphas and boxes must have one entry per caption, got "
+            f"{len(words)}, {len(alphas)}, {len(boxes)}"
+        )
+
+    hits = scored = 0
+    for i, caption in enumerate(words):
+        if not caption:
+            continue
+        a = torch.as_tensor(alphas[i])  # (T, L)
+        if a.dim() != 2 or a.shape[1] != gh * gw or a.shape[0] < len(caption):
+            raise ValueError(
+                f"alphas[{i}] must be (T >= {len(caption)}, L = {gh * gw}), got {tuple(a.shape)}"
+            )
+        peaks = a[: len(caption)].float().argmax(dim=1).tolist()  # (T,) flat cell index
+        for t, word in enumerate(caption):
+            shape = _singular(word, names)
+            if shape is None:
+                continue
+            referred = [o for o in boxes[i] if o["shape"] == shape]
+            if not referred:
+                continue
+            colour = None
+            for back, prev in enumerate(reversed(caption[max(0, t - 2) : t])):
+                if prev in colors:
+                    colour = prev
+                    break
+                if back > 0 or prev not in modifiers:
+                    break
+            if colour is not None and any(o["color"] == colour for o in referred):
+                referred = [o for o in referred if o["color"] == colour]
+            r, c = divmod(peaks[t], gw)
+            cx0, cx1, cy0, cy1 = c / gw, (c + 1) / gw, r / gh, (r + 1) / gh
+            scored += 1
+            for o in referred:
+                x, y, w, h = (float(v) for v in o["bbox"])
+                if min(cx1, x + w) - max(cx0, x) > 0 and min(cy1, y + h) - max(cy0, y) > 0:
+                    hits += 1
+                    break
+    return (hits / scored if scored else math.nan), hits, scored

@@ -1,0 +1,106 @@
+"""Shared fixtures: a tiny shapes dataset, and writers of tiny Karpathy / raw-COCO files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from captioning.data.shapes import generate_shapes
+from captioning.vocab import tokenize
+
+#: Parameters of the session's shapes dataset (pass them to CaptionDataModule as shapes_*).
+SHAPES_PARAMS: dict[str, int] = {"num_train": 24, "num_val": 8, "num_test": 8,
+                                 "image_size": 64, "seed": 0}
+
+
+@pytest.fixture(scope="session")
+def shapes_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny shapes dataset (24 train / 8 val / 8 test, 64px), generated once per session."""
+    return generate_shapes(tmp_path_factory.mktemp("shapes") / "shapes", **SHAPES_PARAMS)
+
+
+@pytest.fixture(scope="session")
+def shapes_dm_kwargs(shapes_root: Path) -> dict[str, Any]:
+    """CaptionDataModule keyword arguments for the session's shapes dataset (64px, batch 4)."""
+    return {"dataset": "shapes", "root": str(shapes_root),
+            "shapes_num_train": SHAPES_PARAMS["num_train"],
+            "shapes_num_val": SHAPES_PARAMS["num_val"],
+            "shapes_num_test": SHAPES_PARAMS["num_test"],
+            "shapes_image_size": SHAPES_PARAMS["image_size"],
+            "shapes_seed": SHAPES_PARAMS["seed"],
+            "image_size": 64, "batch_size": 4, "eval_batch_size": 8}
+
+
+def _write_png(path: Path, color: tuple[int, int, int] = (200, 30, 30),
+               size: tuple[int, int] = (8, 6)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path)
+    return path
+
+
+@pytest.fixture
+def write_png() -> Callable[..., Path]:
+    """write_png(path, color=(r, g, b), size=(w, h)) -> path: a small solid-colour PNG."""
+    return _write_png
+
+
+def _write_karpathy(path: Path, images: Sequence[dict[str, Any]], *,
+                    layout: str = "coco") -> Path:
+    """Write a Karpathy split file in the real layout.
+
+    Each spec: {"id", "filename", "split", "captions": [...], "filepath" (coco layout only)}.
+    layout "coco" writes filepath + cocoid (like dataset_coco.json); "flickr" writes neither
+    (like dataset_flickr8k.json / dataset_flickr30k.json).
+    """
+    entries, sent_id = [], 0
+    for imgid, spec in enumerate(images):
+        sentences = [{"tokens": tokenize(c), "raw": c, "imgid": imgid, "sentid": sent_id + k}
+                     for k, c in enumerate(spec["captions"])]
+        entry: dict[str, Any] = {"sentids": [s["sentid"] for s in sentences],
+                                 "filename": spec["filename"], "split": spec["split"],
+                                 "sentences": sentences}
+        if layout == "coco":
+            entry["filepath"] = spec.get("filepath", "train2014")
+            entry["imgid"] = imgid
+            entry["cocoid"] = spec["id"]
+        else:
+            entry["imgid"] = spec["id"]
+        entries.append(entry)
+        sent_id += len(sentences)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"images": entries, "dataset": layout}, indent=1))
+    return path
+
+
+@pytest.fixture
+def write_karpathy() -> Callable[..., Path]:
+    """write_karpathy(path, images, *, layout="coco"|"flickr") -> path (see _write_karpathy)."""
+    return _write_karpathy
+
+
+def _write_coco(path: Path, images: Sequence[tuple[Any, str]],
+                captions: Sequence[tuple[Any, str]]) -> Path:
+    """Write a raw COCO captions file: images [(id, file_name)], captions [(image_id, text)]."""
+    data = {
+        "info": {"description": "tiny test captions", "version": "1.0", "year": 2014},
+        "licenses": [{"id": 1, "name": "test", "url": ""}],
+        "images": [{"license": 1, "file_name": fn, "coco_url": "", "height": 6, "width": 8,
+                    "date_captured": "2013-11-14 11:18:45", "flickr_url": "", "id": i}
+                   for i, fn in images],
+        "annotations": [{"image_id": i, "id": 1000 + k, "caption": c}
+                        for k, (i, c) in enumerate(captions)],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def write_coco() -> Callable[..., Path]:
+    """write_coco(path, images=[(id, file_name)], captions=[(image_id, caption)]) -> path."""
+    return _write_coco

@@ -1,0 +1,163 @@
+"""The synthetic shapes dataset: determinism, caching, captions and object parsing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from captioning.data.readers import read_coco_captions, read_karpathy
+from captioning.data.shapes import (
+    COLOR_RGB,
+    COLORS,
+    SHAPES,
+    SIZES,
+    generate_shapes,
+    load_boxes,
+    parse_objects,
+    scene_objects,
+)
+from captioning.vocab import tokenize
+
+TINY = {"num_train": 5, "num_val": 2, "num_test": 2, "image_size": 32}
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_same_seed_gives_identical_files_and_other_seed_differs(tmp_path: Path) -> None:
+    a = _files(generate_shapes(tmp_path / "a", seed=3, **TINY))
+    b = _files(generate_shapes(tmp_path / "b", seed=3, **TINY))
+    c = _files(generate_shapes(tmp_path / "c", seed=4, **TINY))
+    assert a == b
+    assert len(a) == 9 + 6  # images + dataset json + 3 annotation files + boxes + manifest
+    assert a.keys() == c.keys()
+    differing = [k for k in a if k.endswith(".png") and a[k] != c[k]]
+    assert len(differing) == 9
+
+
+def test_generation_is_cached_and_regenerated_on_new_params(tmp_path: Path) -> None:
+    root = generate_shapes(tmp_path / "s", seed=0, **TINY)
+    png = root / "images" / "train_00000.png"
+    stamp = png.stat().st_mtime_ns
+    generate_shapes(root, seed=0, **TINY)
+    assert png.stat().st_mtime_ns == stamp  # cached: nothing rewritten
+    generate_shapes(root, seed=0, **{**TINY, "num_train": 3})
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["num_train"] == 3
+    assert len(list((root / "images").glob("train_*.png"))) == 3
+    # No temporary or old directories are left next to the dataset.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def test_incomplete_dataset_is_regenerated(tmp_path: Path) -> None:
+    root = generate_shapes(tmp_path / "s", seed=0, **TINY)
+    (root / "images" / "val_00001.png").unlink()
+    generate_shapes(root, seed=0, **TINY)
+    assert (root / "images" / "val_00001.png").is_file()
+
+
+def test_refuses_to_overwrite_foreign_directory(tmp_path: Path) -> None:
+    root = tmp_path / "mine"
+    root.mkdir()
+    (root / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="refusing"):
+        generate_shapes(root, **TINY)
+    assert (root / "notes.txt").read_text() == "keep me"
+
+
+def test_layouts_and_captions(shapes_root: Path) -> None:
+    data = json.loads((shapes_root / "dataset_shapes.json").read_text())
+    boxes = load_boxes(shapes_root / "boxes.json")
+    images = data["images"]
+    assert [im["split"] for im in images].count("train") == 24
+    assert len(boxes) == len(images) == 40
+    vocab = set()
+    for im in images:
+        raws = [s["raw"] for s in im["sentences"]]
+        assert len(raws) == 5 and len(set(raws)) == 5
+        for s in im["sentences"]:
+            assert s["tokens"] == tokenize(s["raw"])
+            vocab.update(s["tokens"])
+        img = Image.open(shapes_root / im["filepath"] / im["filename"])
+        assert img.size == (64, 64) and img.mode == "RGB"
+    assert len(vocab) < 60  # a small vocabulary
+
+    # The raw COCO files hold the same captions under the same ids.
+    karpathy = {r.image_id: r.captions for r in read_karpathy(
+        shapes_root / "dataset_shapes.json", shapes_root)}
+    for split in ("train", "val", "test"):
+        recs = read_coco_captions(shapes_root / "annotations" / f"captions_{split}.json",
+                                  shapes_root / "images", split=split)
+        for r in recs:
+            assert r.captions == karpathy[r.image_id]
+            assert r.path.is_file()
+
+
+def test_canonical_caption_names_every_object_left_to_right(shapes_root: Path) -> None:
+    data = json.loads((shapes_root / "dataset_shapes.json").read_text())
+    boxes = load_boxes(shapes_root / "boxes.json")
+    counts = set()
+    for im in data["images"]:
+        objs = boxes[im["cocoid"]]
+        counts.add(len(objs))
+        canonical = im["sentences"][0]["raw"]
+        assert parse_objects(canonical) == scene_objects(objs)
+        for s in im["sentences"]:  # every variant names only objects that are there
+            assert parse_objects(s["raw"]) <= scene_objects(objs)
+        left_to_right = sorted(objs, key=lambda o: o["bbox"][0] + o["bbox"][2] / 2)
+        expected = " to the left of ".join(f"a {o['size']} {o['color']} {o['shape']}"
+                                           for o in left_to_right)
+        assert canonical == expected
+    assert counts == {1, 2, 3}
+
+
+def test_boxes_are_inside_the_image_and_do_not_overlap(shapes_root: Path) -> None:
+    data = json.loads((shapes_root / "boxes.json").read_text())
+    for entry in data["images"]:
+        assert set(entry) == {"image_id", "file_name", "width", "height", "objects"}
+        rects = []
+        for o in entry["objects"]:
+            assert o["color"] in COLORS and o["shape"] in SHAPES and o["size"] in SIZES
+            x, y, w, h = o["bbox"]
+            assert x >= 0 and y >= 0 and x + w <= entry["width"] and y + h <= entry["height"]
+            rects.append((x, y, x + w, y + h))
+        for i, a in enumerate(rects):
+            for b in rects[i + 1:]:
+                assert a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
+
+
+def test_objects_are_drawn_in_their_colour(shapes_root: Path) -> None:
+    data = json.loads((shapes_root / "boxes.json").read_text())
+    for entry in data["images"][:10]:
+        arr = np.asarray(Image.open(shapes_root / "images" / entry["file_name"]), dtype=float)
+        for o in entry["objects"]:
+            x, y, w, h = o["bbox"]
+            cx, cy = int(x + w / 2), int(y + h * 0.6)  # inside every shape (incl. triangles)
+            centre = arr[cy - 1: cy + 2, cx - 1: cx + 2].reshape(-1, 3).mean(0)
+            dists = {c: np.linalg.norm(centre - np.array(rgb)) for c, rgb in COLOR_RGB.items()}
+            assert min(dists, key=dists.get) == o["color"]
+
+
+@pytest.mark.parametrize(("caption", "expected"), [
+    ("a large red circle to the left of a small blue square",
+     {("red", "circle"), ("blue", "square")}),
+    ("There are two Red Circles and a green triangle.", {("red", "circle"),
+                                                        ("green", "triangle")}),
+    ("a red large diamond", {("red", "diamond")}),
+    ("a red and blue square", {("blue", "square")}),  # "red" is not bound to a shape
+    ("a red thing near a circle", set()),
+    ("", set()),
+])
+def test_parse_objects(caption: str, expected: set[tuple[str, str]]) -> None:
+    assert parse_objects(caption) == expected
+
+
+def test_scene_objects_accepts_entry_or_object_list() -> None:
+    objs = [{"color": "red", "shape": "circle", "size": "small", "bbox": [0, 0, 1, 1]}]
+    assert scene_objects(objs) == scene_objects({"objects": objs}) == {("red", "circle")}
