@@ -7,6 +7,12 @@
 * `captioning cache-features --config ...`  build the frozen-encoder feature cache ahead of time
 
 Heavy imports (torch, lightning) happen inside the commands, so `--help` and `caption` start fast.
+
+Failures a user can cause (bad arguments or config values, bad data, a missing or unsafe
+checkpoint, a non-finite loss) end with one `error: ...` line on stderr and exit status 2
+(arguments, config) or 1 (everything else), not a traceback; anything else is a bug and keeps
+its traceback. An interrupted `fit` (Ctrl-C, SIGTERM) exits with 130 / 143 after saying where
+its checkpoint went (see `captioning.callbacks.CheckpointOnInterrupt`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pickle
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +31,115 @@ log = logging.getLogger("captioning")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+#: `ckpt_path` values Lightning resolves itself (not file paths).
+SPECIAL_CKPT_PATHS = frozenset({"last", "best", "hpc", "registry"})
+
+
+class ConfigError(ValueError):
+    """A bad value on the command line or in a config file."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that report a user's mistake, not a bug: shown as one line, no traceback."""
+    from captioning.data.images import ImageLoadError
+    from captioning.data.readers import DataError
+
+    types: list[type[BaseException]] = [ConfigError, DataError, ImageLoadError,
+                                        FloatingPointError, FileNotFoundError]
+    try:
+        from captioning.checkpoint import CheckpointError
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        types.append(CheckpointError)
+    return tuple(types)
+
+
+def _type_name(text: str) -> str:
+    text = text.strip()
+    found = re.fullmatch(r"<class '(?:[\w.]+\.)?(\w+)'>", text)
+    if found:
+        return "null" if found.group(1) == "NoneType" else found.group(1)
+    found = re.fullmatch(r"(?:typing\.)?Literal\[(.*)\]", text)
+    if found:
+        return f"one of {found.group(1)}"
+    return text
+
+
+def parser_error_line(message: str) -> str:
+    """jsonargparse's multi-line error, in one line: `--key: invalid value 'x' (expected ...)`."""
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    if not lines:
+        return "invalid arguments"
+    head = re.match(r'^Parser key "([^"]+)":\s*(.*)$', lines[0])
+    if head is None:
+        return " ".join(lines)
+    key, rest = head.groups()
+    body = [rest, *lines[1:]] if rest else lines[1:]
+    value = expected = None
+    types: list[str] = []
+    for ln in body:
+        found = re.search(r"(?:Given|Got) value:\s*(.*)$", ln)
+        if found:
+            value = found.group(1)
+        found = re.match(r"^(?:- )?Expected an? (.+?)(?:\. Got value:.*)?$", ln)
+        if found:
+            types.append(_type_name(found.group(1)))
+    if types:
+        expected = " or ".join(dict.fromkeys(types))
+    if value is not None:
+        return f"--{key}: invalid value {value!r}" + (f" (expected {expected})" if expected else "")
+    return f"--{key}: " + " ".join(body)
+
+
+def check_checkpoint_file(ckpt_path: str | os.PathLike[str] | None) -> None:
+    """Refuse a missing checkpoint, or one whose pickle would run code, before Lightning opens it.
+
+    The file is read with `torch.load(weights_only=True, mmap=True)`: only the pickle is
+    parsed (the tensors stay on disk), and an unsafe one is refused before anything in it runs.
+    Lightning's special values ("last", "best", ...) and URLs are left to Lightning.
+    """
+    if ckpt_path is None or str(ckpt_path) in SPECIAL_CKPT_PATHS or "://" in str(ckpt_path) \
+            or str(ckpt_path).startswith("registry:"):
+        return
+    from captioning.checkpoint import CheckpointError, CheckpointNotFoundError
+
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: checkpoint file does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: is not a file")
+    import torch
+
+    try:
+        try:
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found:
+            raise CheckpointError(
+                f"{path}: refused to load: its pickle would import and call {found.group(1)}, "
+                "which can run arbitrary code (only tensors and plain data are accepted; nothing "
+                "from the file was run)") from None
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint "
+                              f"({_first_line(str(e))})") from None
+    except MemoryError:
+        raise
+    except Exception as e:  # truncated, not a zip, not a pickle, ...
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint "
+                              f"({type(e).__name__}: {_first_line(str(e))})") from None
+
+
+def _first_line(message: str) -> str:
+    found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", message)
+    if found:
+        return found.group(1).strip()
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    return lines[0][:200] if lines else "unknown error"
 
 
 def wandb_dirs(run_dir: str | Path) -> dict[str, str]:
@@ -43,6 +160,35 @@ def _lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> Any:
     from captioning.lit_module import CaptioningModule
 
     class CaptioningCLI(LightningCLI):
+        def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
+                         subparser_kwargs: dict[str, Any]) -> None:
+            super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+            # Checkpoints are loaded with torch.load(weights_only=True) unless asked otherwise.
+            parsers = getattr(self, "_subcommand_parsers", {}) if add_subcommands else {}
+            for parser in parsers.values():
+                if "weights_only" in parser.get_defaults():
+                    parser.set_defaults(weights_only=True)
+            if not add_subcommands and "weights_only" in self.parser.get_defaults():
+                self.parser.set_defaults(weights_only=True)
+
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            super().parse_arguments(parser, args)
+            sub = self.config.get("subcommand")
+            if sub:  # before Lightning reads the checkpoint's hyperparameters
+                check_checkpoint_file(self.config[sub].get("ckpt_path"))
+
+        def instantiate_classes(self) -> None:
+            from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+            try:
+                super().instantiate_classes()
+            except user_error_types():
+                raise
+            except (ValueError, MisconfigurationException, ModuleNotFoundError) as e:
+                # a constructor refused a value, or an option needs a package not installed
+                log.debug("instantiating the classes failed", exc_info=True)
+                raise ConfigError(str(e)) from e
+
         def add_arguments_to_parser(self, parser: Any) -> None:
             # The data module owns the vocabulary; the model is sized from it.
             parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
@@ -60,10 +206,14 @@ def _lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> Any:
                         os.environ.setdefault(k, v)
                         Path(v).mkdir(parents=True, exist_ok=True)
 
+    # Parse errors raise ArgumentError (reported in one line by `main`) instead of printing
+    # the whole usage and exiting.
+    no_exit = {"exit_on_error": False}
     return CaptioningCLI(
         CaptioningModule,
         CaptionDataModule,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={**no_exit, **{c: dict(no_exit) for c in LIGHTNING_COMMANDS}},
         args=list(args) if args is not None else None,
         run=run,
     )
@@ -86,31 +236,79 @@ def _shapes(argv: Sequence[str]) -> int:
     return 0
 
 
+def _error(message: str) -> None:
+    sys.stderr.write(f"error: {message}\n")
+
+
+def _interrupted(exc: BaseException) -> int:
+    """Report an interrupted command; returns the exit status (130 Ctrl-C, 143 SIGTERM)."""
+    cause = getattr(exc, "interrupt", None) or (
+        "KeyboardInterrupt" if isinstance(exc, KeyboardInterrupt) else "SIGTERM")
+    path = getattr(exc, "checkpoint_path", None)
+    what = "SIGTERM" if cause == "SIGTERM" else "Ctrl-C"
+    if path:
+        msg = f"interrupted by {what}; saved {path} (resume with --ckpt_path last)"
+    else:
+        msg = f"interrupted by {what}"
+    sys.stderr.write(msg + "\n")
+    return 143 if cause == "SIGTERM" else 130
+
+
+def _exit_status(exc: BaseException) -> int | None:
+    """Report `exc` if it is a user error or an interruption; None for everything else."""
+    if isinstance(exc, argparse.ArgumentError):
+        _error(parser_error_line(str(exc)))
+        return 2
+    exceptions = sys.modules.get("lightning.pytorch.utilities.exceptions")
+    sigterm = getattr(exceptions, "SIGTERMException", None)
+    if sigterm is not None and isinstance(exc, sigterm):
+        return _interrupted(exc)
+    if isinstance(exc, SystemExit):
+        # Lightning turns a KeyboardInterrupt during fit into sys.exit(1)
+        if exc.code == 1 and isinstance(exc.__context__, KeyboardInterrupt):
+            return _interrupted(exc.__context__)
+        return None
+    if isinstance(exc, KeyboardInterrupt):
+        return _interrupted(exc)
+    if isinstance(exc, user_error_types()):
+        log.debug("user error", exc_info=exc)
+        _error(str(exc).strip() or type(exc).__name__)
+        return 2 if isinstance(exc, ConfigError) else 1
+    return None
+
+
+def _run(argv: list[str], from_shell: bool) -> int:
+    command = argv[0] if argv else ""
+    if command == "caption":
+        from captioning.caption import main as caption_main
+
+        return caption_main(argv[1:])
+    if command == "demo":
+        from captioning.demo import main as demo_main
+
+        return demo_main(argv[1:])
+    if command == "shapes":
+        return _shapes(argv[1:])
+    if command == "cache-features":
+        from captioning.data.features import main as cache_main
+
+        return cache_main(argv[1:])
+    _lightning_cli(None if from_shell else argv)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a `captioning` command; returns its exit status."""
     from_shell = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    command = argv[0] if argv else ""
     try:
-        if command == "caption":
-            from captioning.caption import main as caption_main
-
-            return caption_main(argv[1:])
-        if command == "demo":
-            from captioning.demo import main as demo_main
-
-            return demo_main(argv[1:])
-        if command == "shapes":
-            return _shapes(argv[1:])
-        if command == "cache-features":
-            from captioning.data.features import main as cache_main
-
-            return cache_main(argv[1:])
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    _lightning_cli(None if from_shell else argv)
-    return 0
+        return _run(argv, from_shell)
+    except BaseException as e:
+        status = _exit_status(e)
+        if status is None:
+            raise
+        return status
 
 
 if __name__ == "__main__":

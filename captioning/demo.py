@@ -44,15 +44,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--attention", choices=("soft", "hard"), default="soft")
     p.add_argument("--run-dir", default=None, help="default: runs/demo-<attention>")
     p.add_argument("--samples", type=int, default=6, help="captions to print")
-    p.add_argument("overrides", nargs=argparse.REMAINDER,
-                   help="extra LightningCLI arguments, e.g. --trainer.max_epochs 2")
-    a = p.parse_args(argv)
+    p.epilog = "Other arguments go to LightningCLI, e.g. --trainer.max_epochs 2"
+    a, overrides = p.parse_known_args(argv)
     run_dir = Path(a.run_dir or f"runs/demo-{a.attention}")
     configs = [_trainer_config(run_dir), *demo_configs(a.attention)[1:]]
     args: list[str] = ["fit"]
     for cfg in configs:
         args += ["--config", str(cfg)]
-    args += [*a.overrides]
+    args += overrides
     start = time.perf_counter()
     cli = _lightning_cli(args)
     trainer, model, dm = cli.trainer, cli.model, cli.datamodule

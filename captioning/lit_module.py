@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_VOCAB_KEY = "captioning_vocab"
 CHECKPOINT_CONFIG_KEY = "captioning_model_config"
+CHECKPOINT_RNG_KEY = "captioning_rng_states"
 
 
 @dataclass
@@ -76,6 +77,7 @@ class CaptioningModule(L.LightningModule):
         forbid_unk: bool = False,
         compute_metrics: bool = True,
         results_dir: str | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(net, dict):  # from a checkpoint's plain-data hyperparameters
@@ -90,6 +92,7 @@ class CaptioningModule(L.LightningModule):
         self.val_results = EvalResults()
         self.test_results = EvalResults()
         self._pending = EvalResults()
+        self._compiled = False
 
     # -- plumbing --------------------------------------------------------------------------
     @property
@@ -111,29 +114,121 @@ class CaptioningModule(L.LightningModule):
             self.vocab = vocab
         if (dm is not None and getattr(dm, "feature_cache", False)
                 and hasattr(dm, "use_encoder_cache") and not self.net_config.finetune_encoder):
-            self._attach_feature_cache(dm)
+            from lightning.pytorch.utilities.seed import isolate_rng
+
+            with isolate_rng():  # building the cache must not shift the training RNG streams
+                self._attach_feature_cache(dm)
+        if self.hparams.compile and not self._compiled:
+            self.compile_decoder()
+
+    def compile_decoder(self) -> None:
+        """`torch.compile` the decoder's per-step cell (attention + gate + LSTM), in place.
+
+        Dynamic shapes: the active batch shrinks step by step, which must not recompile.
+        Off by default (`compile: false`): see docs/benchmarks.md for when it pays.
+        """
+        dec = self.captioner.decoder
+        dec._advance = torch.compile(dec._advance, dynamic=True)  # type: ignore[method-assign]
+        self._compiled = True
+
+    def feature_cache_key(self) -> dict[str, Any]:
+        """What the cached annotation grids depend on besides the images and input size."""
+        cfg = self.net_config
+        return {"backbone": cfg.backbone, "grid_size": cfg.grid_size,
+                "channels_last": cfg.channels_last,
+                "weights": encoder_fingerprint(self.captioner.encoder)}
 
     def _attach_feature_cache(self, dm: Any) -> None:
         """Frozen encoder: the data module serves cached annotation grids, so training never
         runs the CNN. Rank zero builds the cache; the other ranks then open it."""
-        cfg = self.net_config
-        key = {"backbone": cfg.backbone, "grid_size": cfg.grid_size,
-               "channels_last": cfg.channels_last, "weights": encoder_fingerprint(self.captioner.encoder)}
+        key = self.feature_cache_key()
         strategy = self.trainer.strategy
         if self.trainer.is_global_zero:
             dm.use_encoder_cache(self.captioner.encoder, key, device=strategy.root_device)
         strategy.barrier("feature-cache")
         if not self.trainer.is_global_zero:
             dm.use_encoder_cache(self.captioner.encoder, key, device=strategy.root_device)
+        self._cache_source = (dm, key["weights"])
+
+    def _refresh_feature_cache(self, checkpoint: dict[str, Any]) -> None:
+        """Setup built the feature cache with the encoder as constructed; when the checkpoint
+        being restored holds other encoder weights, load them now and serve their features."""
+        dm, weights = getattr(self, "_cache_source", (None, None))
+        state = checkpoint.get("state_dict")
+        if dm is None or not isinstance(state, dict):
+            return
+        prefix = "captioner.encoder."
+        encoder = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if not encoder or encoder_fingerprint(encoder) == weights:
+            return
+        self.captioner.encoder.load_state_dict(encoder)  # the full load follows, same values
+        from lightning.pytorch.utilities.seed import isolate_rng
+
+        with isolate_rng():
+            self._attach_feature_cache(dm)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.vocab is not None:
             checkpoint[CHECKPOINT_VOCAB_KEY] = self.vocab.to_dict()
         checkpoint[CHECKPOINT_CONFIG_KEY] = self.net_config.to_dict()
+        checkpoint[CHECKPOINT_RNG_KEY] = rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._check_checkpoint_fits(checkpoint)
         if CHECKPOINT_VOCAB_KEY in checkpoint:
             self.vocab = Vocabulary.from_dict(checkpoint[CHECKPOINT_VOCAB_KEY])
+        self._refresh_feature_cache(checkpoint)
+        # Resuming a fit: continue the random streams (dropout, hard-attention sampling, data
+        # loader seeds) where the checkpoint left them, so that the resumed run matches an
+        # uninterrupted one. Restored here, before the fit loop creates its first iterator.
+        trainer = getattr(self, "_trainer", None)
+        rng = checkpoint.get(CHECKPOINT_RNG_KEY)
+        if rng is not None and trainer is not None and trainer.state.fn == "fit":
+            set_rng_states(rng)
+
+    def _check_checkpoint_fits(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse, with the differences spelled out, a checkpoint whose vocabulary is not the
+        data's or whose weights do not fit this model (instead of a size-mismatch traceback)."""
+        from captioning.checkpoint import CheckpointError
+
+        if CHECKPOINT_VOCAB_KEY in checkpoint and self.vocab is not None:
+            saved = Vocabulary.from_dict(checkpoint[CHECKPOINT_VOCAB_KEY])
+            if saved != self.vocab:
+                raise CheckpointError(
+                    f"the checkpoint's vocabulary ({len(saved)} words) is not the data's "
+                    f"({len(self.vocab)} words); resume or evaluate with the vocabulary the "
+                    "model was trained with (data.vocab_path)")
+        state = checkpoint.get("state_dict")
+        if not isinstance(state, dict):
+            return
+        own = self.state_dict()
+        problems = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(own[k].shape)}"
+                    for k, v in state.items() if k in own and hasattr(v, "shape")
+                    and tuple(v.shape) != tuple(own[k].shape)]
+        if getattr(self, "strict_loading", True):
+            problems += [f"{k}: missing from the checkpoint" for k in own if k not in state]
+            problems += [f"{k}: not in this model" for k in state if k not in own]
+        if not problems:
+            return
+        raw = checkpoint.get(CHECKPOINT_CONFIG_KEY) or \
+            (checkpoint.get("hyper_parameters") or {}).get("net")
+        if isinstance(raw, dict):
+            diff = [f"{k}={raw[k]!r} (this model {v!r})"
+                    for k, v in self.net_config.to_dict().items() if k in raw and raw[k] != v]
+            config = "; checkpoint model config " + (", ".join(diff) if diff else "matches")
+        else:
+            config = "; the checkpoint has no captioning model config"
+        raise CheckpointError(
+            f"the checkpoint's weights do not fit this model ({len(problems)} tensors, first: "
+            f"{'; '.join(problems[:3])}){config}")
+
+    def on_fit_start(self) -> None:
+        """Report what the data module skipped as bad input (`data/skipped_*`) to every logger."""
+        skipped = getattr(getattr(self.trainer, "datamodule", None), "skipped", None)
+        if isinstance(skipped, dict) and self.trainer.is_global_zero:
+            metrics = {f"data/skipped_{k}": float(v) for k, v in skipped.items()}
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=self.global_step)
 
     # -- training --------------------------------------------------------------------------
     def _losses(self, batch: Any, features: Tensor | None = None) -> dict[str, Tensor]:
@@ -162,24 +257,43 @@ class CaptioningModule(L.LightningModule):
             if sampled is not None and bool(sampled.any()):
                 reward = loglik[sampled]
                 parts["reward"] = reward.mean()
-                self.baseline.update(reward)
+                if bool(torch.isfinite(parts["reward"])):  # a NaN step must not poison b
+                    self.baseline.update(reward)
             parts["baseline"] = self.baseline.value.clone()
         parts["loss"] = loss
         return parts
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        parts = self._losses(batch)
+        try:
+            parts = self._losses(batch)
+        except RuntimeError as e:  # e.g. hard attention sampling from NaN attention weights
+            if "nan" not in str(e).lower() and "inf" not in str(e).lower():
+                raise
+            raise FloatingPointError(self._non_finite("values in the forward pass", batch,
+                                                      batch_idx)) from e
         loss = parts["loss"]
         if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"non-finite training loss {loss.item()} at global step {self.global_step} "
-                f"(epoch {self.current_epoch}, batch {batch_idx}); stopping before the weights "
-                "are updated")
+            raise FloatingPointError(self._non_finite(f"training loss {loss.item()}", batch,
+                                                      batch_idx))
         bs = batch.captions.size(0)
         self.log_dict({f"train/{k}": v.detach() for k, v in parts.items()}, batch_size=bs,
                       prog_bar=False)
         self.log("train_loss", loss.detach(), batch_size=bs, prog_bar=True, logger=False)
         return loss
+
+    def _non_finite(self, what: str, batch: Any, batch_idx: int) -> str:
+        """The message for a non-finite loss: the step, and the images whose inputs are bad."""
+        msg = (f"non-finite {what} at global step {self.global_step} (epoch "
+               f"{self.current_epoch}, batch {batch_idx}); stopping before the weights are "
+               "updated")
+        images = getattr(batch, "images", None)
+        if isinstance(images, Tensor) and images.is_floating_point():
+            bad = (~torch.isfinite(images.flatten(1))).any(1).nonzero().flatten().tolist()
+            if bad:
+                ids = [batch.image_ids[i] for i in bad[:5]] if getattr(batch, "image_ids", None) \
+                    else bad[:5]
+                msg += f"; non-finite inputs for image(s) {ids}"
+        return msg
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
@@ -187,9 +301,11 @@ class CaptioningModule(L.LightningModule):
             norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
             if not torch.isfinite(norm):
+                first = next((n for n, p in self.named_parameters() if p.grad is not None
+                              and not bool(torch.isfinite(p.grad).all())), "?")
                 raise FloatingPointError(
-                    f"non-finite gradient norm at global step {self.global_step}; stopping "
-                    "before the optimiser corrupts the weights")
+                    f"non-finite gradient norm at global step {self.global_step} (first in "
+                    f"{first}); stopping before the optimiser corrupts the weights")
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -240,11 +356,15 @@ class CaptioningModule(L.LightningModule):
         res = EvalResults()
         tokens, lengths = gen.tokens.tolist(), gen.lengths.tolist()
         alphas = gen.alphas.float().cpu()
+        end = self.vocab.end_id
         for i, image_id in enumerate(image_ids):
-            words = self.vocab.decode(tokens[i][: lengths[i]])
-            res.words[image_id] = words
-            res.hypotheses[image_id] = " ".join(words)
-            res.alphas[image_id] = alphas[i, : len(words)]
+            ids = tokens[i][: lengths[i]]
+            # Words stay aligned with decoding steps (an <unk> keeps its α map); the caption
+            # text drops every special token.
+            steps = [self.vocab.itos[t] for t in ids if t != end]
+            res.words[image_id] = steps
+            res.hypotheses[image_id] = " ".join(self.vocab.decode(ids))
+            res.alphas[image_id] = alphas[i, : len(steps)]
             res.scores[image_id] = float(gen.scores[i])
             if references is not None:
                 res.references[image_id] = list(references[i])
@@ -297,12 +417,21 @@ class CaptioningModule(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self.test_results = self._finish_eval("test")
+        folder = self._results_folder()  # on every rank: trainer.log_dir is a DDP broadcast
         if self.trainer.is_global_zero and self.test_results.hypotheses:
-            self.write_results(self.test_results, "test")
+            self.write_results(self.test_results, "test", folder)
 
-    def write_results(self, results: EvalResults, split: str) -> Path:
-        """COCO results file [{"image_id", "caption"}] and a metrics JSON; returns the folder."""
-        folder = Path(self.hparams.results_dir or self.trainer.log_dir or self.trainer.default_root_dir)
+    def _results_folder(self) -> Path:
+        return Path(self.hparams.results_dir or self.trainer.log_dir
+                    or self.trainer.default_root_dir)
+
+    def write_results(self, results: EvalResults, split: str, folder: Path | None = None) -> Path:
+        """COCO results file [{"image_id", "caption"}] and a metrics JSON; returns the folder.
+
+        Default folder: `results_dir`, else the trainer's log dir (a collective under DDP: pass
+        `folder` when calling this on one rank only).
+        """
+        folder = Path(folder) if folder is not None else self._results_folder()
         folder.mkdir(parents=True, exist_ok=True)
         coco = [{"image_id": i, "caption": c} for i, c in results.hypotheses.items()]
         (folder / f"{split}_captions.json").write_text(json.dumps(coco, indent=1))
@@ -311,12 +440,53 @@ class CaptioningModule(L.LightningModule):
         return folder
 
 
-def encoder_fingerprint(encoder: torch.nn.Module) -> str:
-    """A hash of the encoder's weights: the cache key changes when they do."""
+def rng_states() -> dict[str, Any]:
+    """The torch (CPU, CUDA), numpy and python RNG states, as tensors and plain data (so that
+    checkpoints stay loadable with `torch.load(weights_only=True)`)."""
+    import random
+
+    import numpy as np
+
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what `rng_states` returned (missing parts are left alone)."""
+    import random
+
+    import numpy as np
+
+    if "torch" in states:
+        torch.set_rng_state(states["torch"].cpu())
+    if "numpy" in states:
+        n = states["numpy"]
+        np.random.set_state(("MT19937", n["keys"].cpu().numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["cached_gaussian"]))
+    if "python" in states:
+        version, internal, gauss = states["python"]
+        random.setstate((version, tuple(internal), gauss))
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([t.cpu() for t in cuda])
+
+
+def encoder_fingerprint(encoder: torch.nn.Module | dict[str, Tensor]) -> str:
+    """A hash of the encoder's weights (a module or its state dict): the cache key changes
+    when they do."""
     import hashlib
 
     h = hashlib.sha256()
-    for name, t in sorted(encoder.state_dict().items()):
+    state = encoder if isinstance(encoder, dict) else encoder.state_dict()
+    for name, t in sorted(state.items()):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -639,10 +639,11 @@ class CaptionDataModule(L.LightningDataModule):
 
     # ---- setup ---------------------------------------------------------------------------
 
-    def _check_images(self, split: str) -> None:
-        """Check every image of `split` with `check_image`; apply `on_bad_data`."""
+    def _check_images(self, split: str, *, raise_now: bool = True) -> list[Problem]:
+        """Check every image of `split` with `check_image`; apply `on_bad_data`. With "fail",
+        the problems are raised as a `DataError` (`raise_now`) or returned."""
         if split in self._validated or not self.validate_images:
-            return
+            return []
         records = self._load_records()[split]
         t0 = time.perf_counter()
 
@@ -662,7 +663,9 @@ class CaptionDataModule(L.LightningDataModule):
                  time.perf_counter() - t0, len(bad))
         if bad:
             if self.on_bad_data == "fail":
-                raise DataError(bad)
+                if raise_now:
+                    raise DataError(bad)
+                return bad
             log.warning("skipping %d %s images that cannot be read; first:\n  %s", len(bad),
                         split, "\n  ".join(str(p) for p in bad[:5]))
             self.skipped["image_files"] += len(bad)
@@ -671,15 +674,30 @@ class CaptionDataModule(L.LightningDataModule):
                                     if why is None]
             self._datasets.pop(split, None)
         self._validated.add(split)
+        return []
 
     def setup(self, stage: str | None = None) -> None:
-        for split in _STAGE_SPLITS.get(stage, ("train", "val", "test")):
-            self._check_images(split)
+        splits = _STAGE_SPLITS.get(stage, ("train", "val", "test"))
+        bad = [p for split in splits for p in self._check_images(split, raise_now=False)]
+        if bad:  # the bad images of every split of the stage, before any step runs
+            raise DataError(bad)
+        for split in splits:
             if split not in self._datasets:
                 records = self.records(split)
                 if not records:
-                    raise ValueError(f"the {split} split is empty ({self.dataset} dataset)")
+                    why = f"the {split} split has no usable images"
+                    if any(self.skipped.values()):
+                        why += "; bad entries and image files were skipped, see the log"
+                    raise DataError([Problem(self._source(split), f"{split} split", "split", why)])
                 self._datasets[split] = self._make_dataset(records, split)
+
+    def _source(self, split: str) -> str:
+        """The annotation file a split comes from (for messages)."""
+        if self.dataset == "shapes":
+            return str(self.root / SPLIT_FILE)
+        if self.dataset == "karpathy":
+            return str(self.split_file)
+        return str(self.coco_files[split][0] or self.coco_files["train"][0])
 
     def image_transform(self, train: bool) -> Callable[[Any], Tensor]:
         return build_image_transform(self.image_size, train=train, hflip=self.hflip)
@@ -705,6 +723,22 @@ class CaptionDataModule(L.LightningDataModule):
         self._encoder, self._encoder_config, self._cache_device = encoder, encoder_config, device
         for split, ds in self._datasets.items():
             ds.inputs = self._make_inputs(self.records(split), split)  # type: ignore[attr-defined]
+
+    def cache_features(self, splits: Sequence[str] = ("train", "val", "test")) -> dict[str, Any]:
+        """Build (or find) the feature cache of each non-empty split; after `use_encoder_cache`.
+
+        Images are checked first (`validate_images`, `on_bad_data`), as `setup` would.
+        Returns {split: FeatureCache}.
+        """
+        if self._encoder is None:
+            raise RuntimeError("call use_encoder_cache(encoder, key) before cache_features()")
+        out: dict[str, Any] = {}
+        for split in splits:
+            if not self.records(split):
+                continue
+            self._check_images(split)
+            out[split] = self._build_cache(self.records(split), split)
+        return out
 
     def _cache_root(self) -> Path:
         if self.cache_dir:

@@ -165,6 +165,39 @@ class FeatureCache:
         return cls(cache_dir / f"{key}.npy", {str(p): i for i, p in enumerate(paths)})
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """`captioning cache-features --config ... [--data.* ...]`: build the caches, no training.
+
+    Takes the same config files and overrides as `captioning fit`; builds (or finds) the
+    feature cache of every non-empty split for the model's frozen encoder, on the trainer's
+    device, and logs where each one is.
+    """
+    import sys
+
+    from captioning.cli import _lightning_cli
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(main.__doc__)
+        print("Options are those of `captioning fit` (see `captioning fit --help`).")
+        return 0
+    cli = _lightning_cli(args, run=False)
+    model, dm = cli.model, cli.datamodule
+    if model.net_config.finetune_encoder:
+        log.error("net.finetune_encoder is true: a fine-tuned encoder's features are never "
+                  "cached (training runs the CNN on every batch)")
+        return 2
+    if not getattr(dm, "feature_cache", False):
+        log.warning("data.feature_cache is false: training will not use the cache built now")
+    device = cli.trainer.strategy.root_device
+    dm.use_encoder_cache(model.captioner.encoder, model.feature_cache_key(), device=device)
+    caches = dm.cache_features()
+    for split, cache in caches.items():
+        log.info("%s: %d images, grids %s -> %s", split, len(cache), tuple(cache.shape),
+                 cache.array_path)
+    return 0
+
+
 def _progress(total: int, enabled: bool, desc: str) -> Any:
     from tqdm.auto import tqdm
 

@@ -52,7 +52,7 @@ class Selection(NamedTuple):
 
 def select(scores: Tensor, rule: WeightRule) -> Selection:
     """α_t = softmax(e_t) (Eq. 5), then the weights by `rule`."""
-    alpha = F.softmax(scores, dim=-1)  # (B, L)
+    alpha = F.softmax(scores, dim=-1, dtype=torch.float32)  # (B, L), float32 under autocast
     if rule == "expected":
         return Selection(alpha, alpha, alpha.argmax(-1), None, None)
     if rule == "argmax":

@@ -140,6 +140,7 @@ class AttentionLSTMDecoder(nn.Module):
             # Semi-sampling (§4.1): these captions use the expected context instead of the sample.
             # α is detached: in hard mode the scorer learns only from REINFORCE and entropy terms.
             weights = torch.where(use_expected.unsqueeze(1), sel.alpha.detach(), weights)
+        weights = weights.to(memory.values.dtype)  # α is float32 (softmax), a_i may be bf16
         z = torch.bmm(weights.unsqueeze(1), memory.values).squeeze(1)  # z_t = Σ_i w_ti a_i (Eq. 6)
         beta = torch.sigmoid(self.gate(h))  # β_t = σ(f_β(h_{t-1})) (§4.2.1)
         z_hat = beta * z  # (B, D)
@@ -186,25 +187,36 @@ class AttentionLSTMDecoder(nn.Module):
         rule, semi = self._training_rule()
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
 
-        hs = emb.new_zeros(B, T, h.size(1))
-        zs = emb.new_zeros(B, T, features.size(2))
-        alphas = emb.new_zeros(B, T, L)
-        log_ps = emb.new_zeros(B, T) if rule == "sample" else None
-        ents = emb.new_zeros(B, T) if rule == "sample" else None
+        # Per-step outputs are collected in lists and padded once: writing into preallocated
+        # (B, T, ...) buffers would make autograd copy the whole buffer at every step.
+        hs: list[Tensor] = []
+        zs: list[Tensor] = []
+        alphas_t: list[Tensor] = []
+        log_ps_t: list[Tensor] = []
+        ents_t: list[Tensor] = []
         active = B
+        mem_t, ue = memory, use_expected
         for t in range(T):
             while active > 0 and steps_cpu[active - 1] <= t:
                 active -= 1  # captions are sorted longest first: shrink to those still going
-            mem_t = Memory(memory.values[:active], memory.keys[:active])
-            ue = use_expected[:active] if use_expected is not None else None
-            h, c, z_hat, sel = self._advance(emb[:active, t], h[:active], c[:active], mem_t, rule, ue)
-            hs[:active, t] = h
-            zs[:active, t] = z_hat
-            alphas[:active, t] = sel.alpha
-            if log_ps is not None and ents is not None:
-                log_ps[:active, t] = sel.log_prob
-                ents[:active, t] = sel.entropy
-        logits = self._output(emb, hs, zs)  # (B, T, V), one batched matmul for all steps
+            if active < h.size(0):  # slice only when the batch shrinks (slicing costs backward)
+                h, c = h[:active], c[:active]
+                mem_t = Memory(memory.values[:active], memory.keys[:active])
+                ue = use_expected[:active] if use_expected is not None else None
+            h, c, z_hat, sel = self._advance(emb[:active, t], h, c, mem_t, rule, ue)
+            hs.append(h)
+            zs.append(z_hat)
+            alphas_t.append(sel.alpha)
+            if sel.log_prob is not None and sel.entropy is not None:
+                log_ps_t.append(sel.log_prob)
+                ents_t.append(sel.entropy)
+        hs_bt, zs_bt = _stack_padded(hs, B), _stack_padded(zs, B)  # (B, T, H), (B, T, D)
+        alphas = _stack_padded(alphas_t, B) if T else emb.new_zeros(B, 0, L)  # (B, T, L)
+        logits = self._output(emb, hs_bt, zs_bt) if T else emb.new_zeros(B, 0, self.vocab_size)
+        log_ps = _stack_padded(log_ps_t, B) if rule == "sample" and T else None  # (B, T)
+        ents = _stack_padded(ents_t, B) if rule == "sample" and T else None
+        if rule == "sample" and not T:
+            log_ps, ents = emb.new_zeros(B, 0), emb.new_zeros(B, 0)
 
         out = DecoderOutput(logits, alphas, log_ps, ents, None)
         if log_ps is not None and use_expected is not None:
@@ -215,3 +227,10 @@ class AttentionLSTMDecoder(nn.Module):
             out = DecoderOutput(*(None if x is None else x[inv] for x in (
                 out.logits, out.alphas, out.attn_log_probs, out.attn_entropy, out.sampled)))
         return out
+
+
+def _stack_padded(rows: list[Tensor], batch: int) -> Tensor:
+    """Stack per-step tensors of shrinking batch (b_t, ...) into (batch, T, ...), zero padded."""
+    padded = [r if r.size(0) == batch else torch.cat(
+        [r, r.new_zeros(batch - r.size(0), *r.shape[1:])]) for r in rows]
+    return torch.stack(padded, dim=1)

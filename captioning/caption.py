@@ -1,0 +1,286 @@
+"""`captioning caption --checkpoint CKPT IMAGE|DIR|GLOB ...`: caption images with a checkpoint.
+
+Prints one `path<TAB>caption` line per image (or one JSON object per line with --json) on
+stdout; problems go to stderr, one line each. Exit status: 0 all captioned, 1 some inputs
+failed, 2 nothing to caption or an unusable checkpoint / device. Torch is imported only after
+the arguments are parsed, and Lightning, W&B, NLTK and pycocoevalcap never are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported at run time only inside the command (fast start)
+    import torch
+
+    from captioning.checkpoint import LoadedModel
+    from captioning.decoding import Generation
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
+_GLOB_CHARS = frozenset("*?[")
+
+
+@dataclass
+class Inputs:
+    """Expanded inputs: image paths in order, and one message per input that gave none."""
+
+    paths: list[Path]
+    problems: list[str]
+
+
+def _is_image_name(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def expand_inputs(args: Sequence[str]) -> Inputs:
+    """Files as given; directories -> their images (sorted); glob patterns -> matching images.
+
+    A path is listed once, at its first occurrence. Explicit files are kept whatever their
+    extension (the loader reports non-images); directories and globs keep image extensions.
+    """
+    paths: list[Path] = []
+    problems: list[str] = []
+    seen: set[Path] = set()
+
+    def add(p: Path) -> None:
+        key = p.resolve()
+        if key not in seen:
+            seen.add(key)
+            paths.append(p)
+
+    def add_dir(d: Path) -> int:
+        found = sorted((p for p in d.iterdir() if p.is_file() and _is_image_name(p)),
+                       key=lambda p: p.name)
+        for p in found:
+            add(p)
+        return len(found)
+
+    for arg in args:
+        p = Path(arg)
+        if p.is_dir():
+            if add_dir(p) == 0:
+                problems.append(f"{arg}: directory has no images "
+                                f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
+        elif not p.exists() and _GLOB_CHARS & set(arg):
+            matches = [Path(m) for m in sorted(glob.glob(arg, recursive=True))]
+            n = 0
+            for m in matches:
+                if m.is_dir():
+                    n += add_dir(m)
+                elif m.is_file() and _is_image_name(m):
+                    add(m)
+                    n += 1
+            if n == 0:
+                problems.append(f"{arg}: pattern matched no images")
+        else:
+            add(p)  # missing or non-image files are reported by the loader
+    return Inputs(paths, problems)
+
+
+def overlay_names(paths: Sequence[Path]) -> list[str]:
+    """One distinct PNG file name per image: its stem, with -2, -3, ... on repeats."""
+    used: set[str] = set()
+    names = []
+    for p in paths:
+        stem, n = p.stem or "image", 1
+        name = f"{stem}.png"
+        while name.lower() in used:
+            n += 1
+            name = f"{stem}-{n}.png"
+        used.add(name.lower())
+        names.append(name)
+    return names
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="captioning caption",
+        description="Caption images with a trained checkpoint (beam search).")
+    p.add_argument("inputs", nargs="*", metavar="IMAGE|DIR|GLOB",
+                   help="image files, folders of images or glob patterns (quote them)")
+    p.add_argument("--checkpoint", required=True, help="a training or inference checkpoint")
+    p.add_argument("--beam-size", type=int, default=None,
+                   help="beam width (default: the checkpoint's decoding setting)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="most words per caption (default: the checkpoint's setting)")
+    p.add_argument("--batch-size", type=int, default=32, help="images decoded together")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto uses the GPU when there is one")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per line: path, caption, score, tokens")
+    p.add_argument("--overlay", metavar="DIR", default=None,
+                   help="write one attention strip PNG per image into DIR")
+    return p
+
+
+def _error(message: str) -> None:
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit status."""
+    parser = _parser()
+    try:
+        a = parser.parse_args(argv)
+    except SystemExit as e:  # --help or a usage error (argparse printed the message)
+        return int(e.code) if isinstance(e.code, int) else 2
+    for name in ("beam_size", "max_len", "batch_size"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            _error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+            return 2
+    if not a.inputs:
+        _error("no inputs: give image files, folders or glob patterns")
+        return 2
+    inputs = expand_inputs(a.inputs)
+    if not inputs.paths:
+        for msg in inputs.problems:
+            _error(msg)
+        _error("no images to caption")
+        return 2
+
+    import torch
+
+    from captioning.checkpoint import CheckpointError, load_checkpoint
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        _error("--device cuda: no CUDA device is available")
+        return 2
+    device = torch.device("cuda" if a.device != "cpu" and torch.cuda.is_available() else "cpu")
+    try:
+        model = load_checkpoint(a.checkpoint, map_location="cpu")
+    except CheckpointError as e:
+        _error(str(e))
+        return 2
+    model.captioner.to(device)
+    for msg in inputs.problems:
+        _error(msg)
+    failed = len(inputs.problems)
+    start, done = time.perf_counter(), 0
+    names = overlay_names(inputs.paths) if a.overlay else []
+    out_dir = Path(a.overlay) if a.overlay else None
+    settings = _decoding(model.decode, a.beam_size, a.max_len)
+    for batch in _batches(inputs.paths, model.config.image_size, a.batch_size):
+        for _path, reason in batch.failures:
+            _error(reason)
+        failed += len(batch.failures)
+        if not batch.paths:
+            continue
+        records, gen = _caption_batch(model, batch, device, settings)
+        if out_dir is not None:
+            failed += _write_overlays(model, batch, gen, records, device,
+                                      [out_dir / names[i] for i in batch.indices])
+        lines = [json.dumps(rec, ensure_ascii=False) if a.json else
+                 f"{rec['path']}\t{rec['caption']}" for rec in records]
+        try:
+            sys.stdout.write("".join(ln + "\n" for ln in lines))
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  # no flush error at exit
+            return 1
+        done += len(batch.paths)
+    seconds = time.perf_counter() - start
+    log.info("captioned %d image(s) in %.1f s on %s%s", done, seconds, device,
+             f", {failed} failed" if failed else "")
+    return 1 if failed else 0
+
+
+def _decoding(decode: dict[str, Any], beam_size: int | None,
+              max_len: int | None) -> dict[str, Any]:
+    """generate() keywords: the checkpoint's settings, overridden by the options.
+
+    A checkpoint evaluated greedily defaults to beam 1, which is the same search."""
+    default_beam = 1 if decode.get("eval_strategy") == "greedy" else int(decode["beam_size"])
+    return {"strategy": "beam", "beam_size": beam_size or default_beam,
+            "max_len": max_len or int(decode["max_len"]),
+            "length_penalty": float(decode["length_penalty"]),
+            "forbid_unk": bool(decode["forbid_unk"])}
+
+
+@dataclass
+class _Batch:
+    indices: list[int]  # positions in the expanded input list
+    paths: list[Path]
+    images: torch.Tensor | None  # (B, 3, S, S) normalised, None when every image failed
+    failures: list[tuple[Path, str]]
+
+
+def _batches(paths: Sequence[Path], image_size: int, batch_size: int) -> Iterator[_Batch]:
+    """Load images with the project's loader and transform, `batch_size` good ones at a time."""
+    import torch
+
+    from captioning.data.datamodule import build_image_transform
+    from captioning.data.images import ImageLoadError, load_image
+
+    transform = build_image_transform(image_size)
+
+    def load(path: Path) -> Any:
+        try:
+            return transform(load_image(path, min_side=image_size))
+        except ImageLoadError as e:
+            return str(e)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for s in range(0, len(paths), batch_size):
+            chunk = list(range(s, min(len(paths), s + batch_size)))
+            loaded = list(pool.map(load, [paths[i] for i in chunk]))
+            good = [i for i, x in zip(chunk, loaded) if not isinstance(x, str)]
+            images = torch.stack([x for x in loaded if not isinstance(x, str)]) if good else None
+            failures = [(paths[i], x) for i, x in zip(chunk, loaded) if isinstance(x, str)]
+            yield _Batch(good, [paths[i] for i in good], images, failures)
+
+
+def _caption_batch(model: LoadedModel, batch: _Batch, device: torch.device,
+                   settings: dict[str, Any]) -> tuple[list[dict[str, Any]], Generation]:
+    """Decode one batch: one record per image (path, caption, score, tokens, finished)."""
+    import torch
+
+    with torch.inference_mode():
+        gen = model.captioner.generate(batch.images.to(device), **settings)
+    tokens, lengths = gen.tokens.tolist(), gen.lengths.tolist()
+    scores, finished = gen.scores.tolist(), gen.finished.tolist()
+    records = []
+    for i, path in enumerate(batch.paths):
+        words = model.vocab.decode(tokens[i][: lengths[i]])
+        records.append({"path": str(path), "caption": " ".join(words), "score": scores[i],
+                        "tokens": words, "finished": bool(finished[i])})
+    return records, gen
+
+
+def _write_overlays(model: LoadedModel, batch: _Batch, gen: Generation,
+                    records: list[dict[str, Any]], device: torch.device,
+                    targets: Sequence[Path]) -> int:
+    """One strip per image: the α map of every emitted word (hard models mark the location).
+    Returns the number of strips that could not be written (each reported on stderr)."""
+    from captioning.viz import render_strips, save_strip_png
+
+    tokens, lengths = gen.tokens.tolist(), gen.lengths.tolist()
+    itos, end = model.vocab.itos, model.vocab.end_id
+    # every emitted word but the final <end>, so that word t is drawn over α_t
+    words = [[itos[t] for t in tokens[i][: lengths[i]] if t != end] for i in range(len(targets))]
+    hard = model.config.attention == "hard"
+    strips = render_strips(batch.images.to(device), gen.alphas, model.captioner.grid, words,
+                           points=gen.locations if hard else None).cpu()
+    width, failed = batch.images.shape[-1], 0
+    for rec, strip, ws, target in zip(records, strips, words, targets):
+        # the batch's strips share the longest caption's width: keep this caption's panels
+        try:
+            rec["overlay"] = str(save_strip_png(strip[:, : width * (len(ws) + 1)], target))
+        except OSError as e:
+            _error(f"{target}: cannot write the overlay ({e.strerror or e})")
+            failed += 1
+    return failed

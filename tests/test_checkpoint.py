@@ -1,0 +1,298 @@
+"""Checkpoint loading: identical decoding after reload, safe unpickling, clear errors.
+
+`trained_model` (also used by test_caption_cli.py) fits a tiny captioner for a few dozen steps
+through a real Lightning Trainer on the session's shapes images, and saves a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from captioning.checkpoint import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    LoadedModel,
+    load_checkpoint,
+    save_inference_checkpoint,
+)
+from captioning.models.captioner import CaptionerConfig
+from captioning.vocab import Vocabulary
+
+NET = CaptionerConfig(backbone="resnet18", weights=None, grid_size=3, image_size=64,
+                      embed_dim=16, hidden_dim=32, attn_dim=16, dropout=0.0)
+
+
+@dataclass
+class Trained:
+    """A fitted CaptioningModule (eval mode), its checkpoint and the shapes test images."""
+
+    module: Any  # CaptioningModule
+    checkpoint: Path
+    vocab: Vocabulary
+    images: list[Path]
+
+    def batch(self, paths: list[Path]) -> torch.Tensor:
+        """The images as the caption CLI loads them (the project's loader and transform)."""
+        from captioning.data.datamodule import build_image_transform
+        from captioning.data.images import load_image
+
+        t = build_image_transform(self.module.net_config.image_size)
+        return torch.stack([t(load_image(p, min_side=64)) for p in paths])
+
+    def captions(self, paths: list[Path], **generate: Any) -> list[str]:
+        """Captions of the LightningModule's own decoding (or captioner.generate(**generate))."""
+        with torch.no_grad():
+            images = self.batch(paths)
+            gen = (self.module.captioner.generate(images, **generate) if generate
+                   else self.module.generate(images))
+        return [" ".join(self.vocab.decode(t[:n])) for t, n in
+                zip(gen.tokens.tolist(), gen.lengths.tolist())]
+
+
+@functools.cache
+def _train(shapes_root: str, dm_items: tuple[tuple[str, Any], ...], out: str) -> Trained:
+    import lightning.pytorch as L
+
+    from captioning.data.datamodule import CaptionDataModule
+    from captioning.lit_module import CaptioningModule
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        L.seed_everything(0, verbose=False)
+        dm = CaptionDataModule(**dict(dm_items), feature_cache=False)
+        module = CaptioningModule(vocab_size=dm.vocab_size, net=NET, decoder_lr=1e-2,
+                                  beam_size=3, max_len=12, compute_metrics=False)
+        trainer = L.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0,
+                            default_root_dir=out)
+        trainer.fit(module, datamodule=dm)
+        ckpt = Path(out) / "tiny.ckpt"
+        trainer.save_checkpoint(ckpt)
+    finally:
+        torch.set_num_threads(threads)
+    images = sorted((Path(shapes_root) / "images").glob("test_*.png"))
+    return Trained(module.eval(), ckpt, dm.vocab, images)
+
+
+def trained_model(shapes_dm_kwargs: dict[str, Any],
+                  tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """The session's trained tiny model (fitted once, whichever test module asks first)."""
+    out = tmp_path_factory.getbasetemp() / "trained-captioner"
+    out.mkdir(exist_ok=True)
+    return _train(shapes_dm_kwargs["root"], tuple(sorted(shapes_dm_kwargs.items())), str(out))
+
+
+@pytest.fixture(scope="module")
+def trained(shapes_dm_kwargs: dict[str, Any],
+            tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    return trained_model(shapes_dm_kwargs, tmp_path_factory)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models are op-overhead bound: one intra-op thread is faster on CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _edited(trained: Trained, tmp_path: Path, edit: Any) -> Path:
+    """A copy of the trained checkpoint with `edit(dict)` applied."""
+    data = torch.load(trained.checkpoint, map_location="cpu", weights_only=True)
+    edit(data)
+    path = tmp_path / "edited.ckpt"
+    torch.save(data, path)
+    return path
+
+
+# -- reloading ----------------------------------------------------------------------------------
+def test_reload_decodes_identically_to_the_in_memory_model(trained: Trained) -> None:
+    loaded = load_checkpoint(trained.checkpoint)
+    assert isinstance(loaded, LoadedModel)
+    assert not loaded.captioner.training
+    assert loaded.vocab == trained.vocab
+    assert loaded.config == trained.module.net_config
+    assert loaded.decode == {"eval_strategy": "beam", "beam_size": 3, "max_len": 12,
+                             "length_penalty": 0.0, "forbid_unk": False}
+    images = trained.batch(trained.images)
+    with torch.no_grad():
+        want = trained.module.generate(images)
+        got = loaded.captioner.generate(images, strategy="beam", beam_size=3, max_len=12)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.lengths, want.lengths)
+    torch.testing.assert_close(got.scores, want.scores)
+    torch.testing.assert_close(got.alphas, want.alphas)
+
+
+def test_backbone_is_built_without_pretrained_weights(trained: Trained, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # A config naming ImageNet weights must not trigger a download: the weights are in the file.
+    def named(data: dict) -> None:
+        data["captioning_model_config"]["weights"] = "IMAGENET1K_V1"
+
+    path = _edited(trained, tmp_path, named)
+    import captioning.models.encoder as encoder
+
+    seen: list[Any] = []
+    real = encoder.build_backbone
+    monkeypatch.setattr(encoder, "build_backbone", lambda n, w: seen.append(w) or real(n, w))
+    loaded = load_checkpoint(path)
+    assert seen == [None]
+    assert loaded.config.weights == "IMAGENET1K_V1"  # the training config is kept as stored
+
+
+def test_inference_checkpoint_round_trip(trained: Trained, tmp_path: Path) -> None:
+    loaded = load_checkpoint(trained.checkpoint)
+    decode = {"beam_size": 2, "max_len": 9}
+    path = save_inference_checkpoint(tmp_path / "small" / "model.pt", loaded.captioner,
+                                     loaded.vocab, decode)
+    again = load_checkpoint(path)
+    assert again.vocab == loaded.vocab and again.config == loaded.config
+    assert again.decode["beam_size"] == 2 and again.decode["max_len"] == 9
+    assert again.decode["eval_strategy"] == "beam"
+    images = trained.batch(trained.images[:4])
+    with torch.no_grad():
+        a = loaded.captioner.generate(images, beam_size=2, max_len=9)
+        b = again.captioner.generate(images, beam_size=2, max_len=9)
+    assert torch.equal(a.tokens, b.tokens)
+    assert path.stat().st_size < trained.checkpoint.stat().st_size  # no optimiser state
+    with pytest.raises(ValueError, match="unknown decoding settings"):
+        save_inference_checkpoint(tmp_path / "x.pt", loaded.captioner, loaded.vocab,
+                                  {"beam": 3})
+
+
+def test_every_load_uses_weights_only(trained: Trained, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    real = torch.load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    load_checkpoint(trained.checkpoint)
+    assert calls and all(c.get("weights_only") is True for c in calls)
+
+
+# -- unsafe and broken files ----------------------------------------------------------------------
+class _RunsCode:
+    """Unpickling this calls exec(), which creates `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def test_malicious_checkpoint_is_refused_and_runs_nothing(trained: Trained,
+                                                          tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    data = torch.load(trained.checkpoint, map_location="cpu", weights_only=True)
+    data["extra"] = _RunsCode(marker)
+    evil = tmp_path / "evil.ckpt"
+    torch.save(data, evil)
+    with pytest.raises(CheckpointError, match="refused") as info:
+        load_checkpoint(evil)
+    assert str(evil) in str(info.value) and "exec" in str(info.value)
+    assert not marker.exists()
+    # Control: the payload is live, an unsafe load would have run it.
+    control = tmp_path / "control"
+    torch.save({"x": _RunsCode(control)}, tmp_path / "control.ckpt")
+    torch.load(tmp_path / "control.ckpt", weights_only=False)
+    assert control.exists()
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.ckpt"
+    with pytest.raises(CheckpointNotFoundError, match="does not exist") as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value)
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, ValueError)
+    with pytest.raises(CheckpointError, match="not a file"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, not a checkpoint\n", os.urandom(64)])
+def test_not_a_checkpoint(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "junk.ckpt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint"):
+        load_checkpoint(path)
+
+
+def test_missing_vocabulary(trained: Trained, tmp_path: Path) -> None:
+    path = _edited(trained, tmp_path, lambda d: d.pop("captioning_vocab"))
+    with pytest.raises(CheckpointError, match="no vocabulary") as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value)
+
+
+def test_vocabulary_size_mismatch(trained: Trained, tmp_path: Path) -> None:
+    path = _edited(trained, tmp_path,
+                   lambda d: d["captioning_vocab"]["words"].append("zebra"))
+    with pytest.raises(CheckpointError, match="vocabulary size mismatch") as info:
+        load_checkpoint(path)
+    n = len(trained.vocab)
+    assert f"vocabulary {n + 1}" in str(info.value) and f"embedding rows {n}" in str(info.value)
+
+
+def test_config_vocab_size_mismatch(trained: Trained, tmp_path: Path) -> None:
+    def edit(d: dict) -> None:
+        d["captioning_model_config"]["vocab_size"] += 1
+
+    with pytest.raises(CheckpointError, match="vocabulary size mismatch"):
+        load_checkpoint(_edited(trained, tmp_path, edit))
+
+
+def test_config_falls_back_to_hyperparameters_then_fails(trained: Trained,
+                                                        tmp_path: Path) -> None:
+    path = _edited(trained, tmp_path, lambda d: d.pop("captioning_model_config"))
+    assert load_checkpoint(path).config == trained.module.net_config
+
+    def no_config(d: dict) -> None:
+        d.pop("captioning_model_config")
+        d["hyper_parameters"].pop("net")
+
+    with pytest.raises(CheckpointError, match="no model config"):
+        load_checkpoint(_edited(trained, tmp_path, no_config))
+
+
+def test_invalid_config_and_weights(trained: Trained, tmp_path: Path) -> None:
+    def unknown_field(d: dict) -> None:
+        d["captioning_model_config"]["colour"] = "red"
+
+    with pytest.raises(CheckpointError, match="invalid model config"):
+        load_checkpoint(_edited(trained, tmp_path, unknown_field))
+
+    def bigger(d: dict) -> None:
+        d["captioning_model_config"]["hidden_dim"] = 64
+
+    with pytest.raises(CheckpointError, match="weights do not fit"):
+        load_checkpoint(_edited(trained, tmp_path, bigger))
+
+    def missing_key(d: dict) -> None:
+        d["state_dict"].pop("captioner.decoder.gate.weight")
+
+    with pytest.raises(CheckpointError, match="weights do not fit"):
+        load_checkpoint(_edited(trained, tmp_path, missing_key))
+
+    with pytest.raises(CheckpointError, match=r"no 'captioner\.' weights"):
+        load_checkpoint(_edited(trained, tmp_path, lambda d: d.update(state_dict={})))
+
+
+def test_keys_match_the_lightning_module() -> None:
+    import captioning.checkpoint as ck
+    from captioning import lit_module
+
+    assert ck.CHECKPOINT_VOCAB_KEY == lit_module.CHECKPOINT_VOCAB_KEY
+    assert ck.CHECKPOINT_CONFIG_KEY == lit_module.CHECKPOINT_CONFIG_KEY

@@ -1,0 +1,112 @@
+"""The real YAML configs: every combination parses, and the demo config, shrunk, trains."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from captioning.cli import CONFIG_DIR, main
+from conftest import SHAPES_PARAMS
+
+TRAINERS = sorted((CONFIG_DIR / "trainer").glob("*.yaml"))
+DATA = sorted((CONFIG_DIR / "data").glob("*.yaml"))
+MODELS = sorted((CONFIG_DIR / "model").glob("*.yaml"))
+
+
+def _print_config(*configs: Path, extra: list[str] | None = None) -> dict[str, Any]:
+    out = io.StringIO()
+    args = ["fit"] + [a for c in configs for a in ("--config", str(c))] + (extra or [])
+    with redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        main([*args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(out.getvalue())
+
+
+def test_config_folders_are_populated() -> None:
+    names = {p.stem for p in MODELS}
+    assert {"demo_soft", "demo_hard", "paper_soft", "paper_hard"} <= names
+    assert {"shapes", "coco", "flickr8k", "flickr30k", "coco_raw"} <= {p.stem for p in DATA}
+    assert {"cpu", "gpu"} <= {p.stem for p in TRAINERS}
+
+
+def _combinations() -> list[tuple[Path, Path, Path]]:
+    """Every config file at least once: each model on shapes, each dataset with each attention."""
+    cpu, shapes = CONFIG_DIR / "trainer" / "cpu.yaml", CONFIG_DIR / "data" / "shapes.yaml"
+    combos = {(t, shapes, CONFIG_DIR / "model" / "demo_soft.yaml") for t in TRAINERS}
+    combos |= {(cpu, shapes, m) for m in MODELS}
+    combos |= {(cpu, d, CONFIG_DIR / "model" / f"paper_{a}.yaml")
+               for d, a in itertools.product(DATA, ("soft", "hard")) if d != shapes}
+    return sorted(combos)
+
+
+@pytest.mark.parametrize(("trainer", "data", "model"), _combinations(), ids=lambda p: p.stem)
+def test_every_combination_parses(trainer: Path, data: Path, model: Path) -> None:
+    cfg = _print_config(trainer, data, model)
+    mine = yaml.safe_load(model.read_text())["model"]["net"]
+    assert cfg["model"]["net"]["attention"] == mine["attention"]
+    assert cfg["model"]["net"]["backbone"] == mine["backbone"]
+    assert cfg["data"]["dataset"] == yaml.safe_load(data.read_text())["data"]["dataset"]
+
+
+def test_paper_configs_follow_the_paper() -> None:
+    for name in ("paper_soft", "paper_hard"):
+        net = yaml.safe_load((CONFIG_DIR / "model" / f"{name}.yaml").read_text())["model"]["net"]
+        assert net["backbone"] == "vgg19" and net["grid_size"] == 14  # conv5_4, 14x14x512
+        assert net["attention"] == name.split("_")[1]
+
+
+def test_data_paths_are_overridable(tmp_path: Path) -> None:
+    split_file = tmp_path / "dataset_coco.json"
+    cfg = _print_config(TRAINERS[0], CONFIG_DIR / "data" / "coco.yaml", MODELS[0],
+                        extra=["--data.split_file", str(split_file),
+                               "--data.image_root", str(tmp_path)])
+    assert cfg["data"]["split_file"] == str(split_file)
+    assert cfg["data"]["image_root"] == str(tmp_path)
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_demo_config_shrunk_fits(attention: str, shapes_root: Path, tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`captioning fit` with the real demo configs, shrunk to a few steps on tiny data."""
+    from captioning.cli import wandb_dirs
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for k, v in wandb_dirs(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    trainer_cfg = yaml.safe_load((CONFIG_DIR / "trainer" / "cpu.yaml").read_text())
+    trainer_cfg["trainer"]["default_root_dir"] = str(tmp_path)
+    for lg in trainer_cfg["trainer"]["logger"]:
+        lg["init_args"]["save_dir"] = str(tmp_path)
+    (tmp_path / "trainer.yaml").write_text(yaml.safe_dump(trainer_cfg))
+    torch.set_num_threads(1)
+    main(["fit", "--config", str(tmp_path / "trainer.yaml"),
+          "--config", str(CONFIG_DIR / "data" / "shapes.yaml"),
+          "--config", str(CONFIG_DIR / "model" / f"demo_{attention}.yaml"),
+          "--data.root", str(shapes_root),
+          *[a for k, v in SHAPES_PARAMS.items() for a in (f"--data.shapes_{k}", str(v))],
+          "--data.image_size", "64", "--data.batch_size", "8", "--data.eval_batch_size", "8",
+          "--data.cache_dir", str(tmp_path / "features"),
+          "--model.net.weights", "null", "--model.max_len", "8",
+          "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
+          "--trainer.check_val_every_n_epoch", "1", "--trainer.log_every_n_steps", "1",
+          "--trainer.enable_progress_bar", "false"])
+    ckpts = sorted((tmp_path).rglob("*.ckpt"))
+    assert any(p.name == "last.ckpt" for p in ckpts)
+    ckpt = torch.load(next(p for p in ckpts if p.name == "last.ckpt"), weights_only=True)
+    assert ckpt["global_step"] == 3
+    assert ckpt["captioning_model_config"]["attention"] == attention
+    assert len(ckpt["captioning_vocab"]["words"]) > 4
+    csv = next(tmp_path.rglob("metrics.csv")).read_text()
+    assert "val/BLEU-4" in csv and "train/loss" in csv
+    assert list(tmp_path.rglob("offline-run-*")), "the W&B offline run is inside the run folder"
+    if attention == "hard":
+        assert "train/baseline" in csv and "train/attn_entropy" in csv
+    json.dumps(ckpt["hyper_parameters"])  # plain data only

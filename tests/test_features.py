@@ -1,0 +1,280 @@
+"""Frozen-encoder feature cache: keys, rebuilds, lazy memmaps, workers, the CNN never runs,
+`captioning cache-features`, and bf16 autocast / torch.compile plumbing."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from captioning.data.datamodule import CachedInputs, CaptionDataModule, build_image_transform
+from captioning.data.features import FeatureCache
+from captioning.lit_module import CaptioningModule
+from captioning.models.captioner import CaptionerConfig
+from captioning.models.encoder import CNNEncoder
+
+S = 64  # image size of the session's shapes dataset
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models are op-overhead bound: one intra-op thread is faster on CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _Forbidden(RuntimeError):
+    pass
+
+
+def _encoder() -> CNNEncoder:
+    torch.manual_seed(0)
+    return CNNEncoder(backbone="resnet18", weights=None, grid_size=2)
+
+
+def _build(cache_dir: Path, encoder: torch.nn.Module, paths: list[Path], *,
+           image_size: int = S, key: dict[str, Any] | None = None) -> FeatureCache:
+    return FeatureCache.build(
+        cache_dir=cache_dir, encoder=encoder, encoder_config=key or {"backbone": "resnet18"},
+        image_size=image_size, paths=paths, transform=build_image_transform(image_size),
+        batch_size=4, device="cpu", progress=False)
+
+
+def _forbid(encoder: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise _Forbidden("the CNN ran")
+
+    monkeypatch.setattr(encoder, "forward", boom)
+
+
+@pytest.fixture
+def images(shapes_root: Path, tmp_path: Path) -> list[Path]:
+    """Six shapes images copied into tmp_path (so that a test may rewrite one)."""
+    src = sorted((shapes_root / "images").glob("train_*.png"))[:6]
+    out = []
+    for p in src:
+        out.append(tmp_path / "img" / p.name)
+        out[-1].parent.mkdir(exist_ok=True)
+        shutil.copy2(p, out[-1])
+    return out
+
+
+def test_same_inputs_hit_the_cache(images: list[Path], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    enc = _encoder()
+    first = _build(tmp_path / "f", enc, images)
+    assert first.array.dtype == np.float16 and first.array.shape[0] == len(images)
+    _forbid(enc, monkeypatch)
+    again = _build(tmp_path / "f", enc, images)  # a hit: the encoder is not called
+    assert again.array_path == first.array_path
+    ref = CNNEncoder.forward(enc, build_image_transform(S)(
+        Image.open(images[2]).convert("RGB"))[None])  # the real forward, bypassing the patch
+    torch.testing.assert_close(again[images[2]], ref[0], atol=2e-2, rtol=1e-2)  # float16 grid
+
+
+@pytest.mark.parametrize("change", ["image_file", "image_size", "encoder_config"])
+def test_rebuilds_when_an_input_changes(images: list[Path], tmp_path: Path, change: str) -> None:
+    enc = _encoder()
+    key = {"backbone": "resnet18", "weights": "a"}
+    first = _build(tmp_path / "f", enc, images, key=key)
+    size = S
+    if change == "image_file":
+        Image.new("RGB", (S, S), (10, 200, 10)).save(images[3])
+        st = images[3].stat()
+        os.utime(images[3], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    elif change == "image_size":
+        size = 32
+    else:
+        key = {**key, "weights": "b"}  # e.g. another weights fingerprint
+    second = _build(tmp_path / "f", enc, images, image_size=size, key=key)
+    assert second.array_path != first.array_path
+    assert len(list((tmp_path / "f").glob("*.npy"))) == 2
+    if change == "image_file":  # the rewritten image's grid changed, the others did not
+        assert not torch.equal(second[images[3]], first[images[3]])
+        assert torch.equal(second[images[0]], first[images[0]])
+
+
+def test_weights_fingerprint_is_in_the_module_key() -> None:
+    net = CaptionerConfig(vocab_size=10, backbone="resnet18", weights=None, grid_size=2,
+                          embed_dim=8, hidden_dim=8, attn_dim=8)
+    torch.manual_seed(0)
+    a = CaptioningModule(net=net).feature_cache_key()
+    torch.manual_seed(1)
+    b = CaptioningModule(net=net).feature_cache_key()
+    assert a["weights"] != b["weights"] and {**a, "weights": 0} == {**b, "weights": 0}
+
+
+def test_pickling_drops_the_open_memmap(images: list[Path], tmp_path: Path) -> None:
+    cache = _build(tmp_path / "f", _encoder(), images)
+    value = cache[images[1]]
+    assert isinstance(cache._array, np.memmap)
+    clone = pickle.loads(pickle.dumps(cache))
+    assert clone._array is None  # reopened lazily in the receiving process
+    assert torch.equal(clone[images[1]], value)
+    assert cache._array is not None  # the original keeps its map
+
+
+def test_dataloader_workers_read_cached_inputs(images: list[Path], tmp_path: Path) -> None:
+    cache = _build(tmp_path / "f", _encoder(), images)
+    assert cache.array is not None  # already open in the parent
+    ds = CachedInputs(cache, images)
+    loader = DataLoader(ds, batch_size=2, num_workers=2)  # fork: the default
+    got = torch.cat(list(loader))
+    assert torch.equal(got, torch.stack([ds[i] for i in range(len(ds))]))
+
+
+# -- training: the CNN runs only when fine-tuning --------------------------------------------
+
+
+def _module(dm: CaptionDataModule, *, finetune: bool, attention: str = "soft") -> CaptioningModule:
+    net = CaptionerConfig(backbone="resnet18", weights=None, grid_size=2, image_size=S,
+                          finetune_encoder=finetune, embed_dim=16, hidden_dim=16, attn_dim=16,
+                          attention=attention)
+    return CaptioningModule(vocab_size=dm.vocab_size, net=net, compute_metrics=False,
+                            eval_strategy="greedy", max_len=6)
+
+
+class _CountCNN(L.Callback):
+    """Counts CNN calls per train batch; with `forbid`, any call fails the batch."""
+
+    def __init__(self, *, forbid: bool) -> None:
+        self.forbid, self.calls, self.batches, self.input_dims = forbid, 0, 0, set()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: CaptioningModule) -> None:
+        body = pl_module.captioner.encoder.body
+        original = body.forward
+
+        def counted(x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.forbid:
+                raise _Forbidden("the CNN ran during training")
+            return original(x)
+
+        body.forward = counted  # type: ignore[method-assign]
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        self.batches += 1
+        self.input_dims.add(batch.images.dim())
+
+
+def _fit(dm: CaptionDataModule, module: CaptioningModule, cb: L.Callback, root: Path) -> None:
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=1,
+                        num_sanity_val_steps=0, logger=False, callbacks=[cb],
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1,
+                        default_root_dir=str(root))
+    trainer.fit(module, datamodule=dm)
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_frozen_encoder_training_never_runs_the_cnn(shapes_dm_kwargs: dict, tmp_path: Path,
+                                                    attention: str) -> None:
+    dm = CaptionDataModule(**{**shapes_dm_kwargs, "feature_cache": True,
+                              "cache_dir": str(tmp_path / "features")})
+    cb = _CountCNN(forbid=True)
+    _fit(dm, _module(dm, finetune=False, attention=attention), cb, tmp_path)
+    assert cb.batches == 3 and cb.calls == 0 and cb.input_dims == {3}  # (B, L, D) grids
+
+
+def test_finetuning_runs_the_cnn_every_batch(shapes_dm_kwargs: dict, tmp_path: Path) -> None:
+    dm = CaptionDataModule(**{**shapes_dm_kwargs, "feature_cache": True,
+                              "cache_dir": str(tmp_path / "features")})
+    cb = _CountCNN(forbid=False)
+    _fit(dm, _module(dm, finetune=True), cb, tmp_path)
+    assert not (tmp_path / "features").exists()  # nothing cached
+    assert cb.input_dims == {4}  # images
+    assert cb.calls == cb.batches + 1  # every train batch, plus the one validation batch
+
+
+# -- `captioning cache-features` ------------------------------------------------------------
+
+
+def test_cache_features_command_builds_every_split(shapes_dm_kwargs: dict, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from captioning.cli import main
+
+    cfg = tmp_path / "config.yaml"
+    data = {**shapes_dm_kwargs, "cache_dir": str(tmp_path / "features")}
+    lines = ["seed_everything: 0", "trainer:", "  accelerator: cpu", "  logger: false",
+             f"  default_root_dir: {tmp_path}", "data:"]
+    lines += [f"  {k}: {v}" for k, v in data.items()]
+    lines += ["model:", "  net:", "    backbone: resnet18", "    weights: null",
+              "    grid_size: 2", "    embed_dim: 8", "    hidden_dim: 8", "    attn_dim: 8"]
+    cfg.write_text("\n".join(lines) + "\n")
+    assert main(["cache-features", "--config", str(cfg)]) == 0
+    built = sorted((tmp_path / "features").glob("*.npy"))
+    assert len(built) == 3  # train, val, test
+    stamps = [p.stat().st_mtime_ns for p in built]
+
+    # A later `fit` with the same config finds them: training never builds a cache.
+    dm = CaptionDataModule(**data)
+    L.seed_everything(0)  # the CLI seeds before it builds the model: rebuild it the same way
+    module = CaptioningModule(vocab_size=dm.vocab_size, net=CaptionerConfig(
+        backbone="resnet18", weights=None, grid_size=2, image_size=S, embed_dim=8,
+        hidden_dim=8, attn_dim=8))
+    _forbid(module.captioner.encoder, monkeypatch)
+    dm.use_encoder_cache(module.captioner.encoder, module.feature_cache_key(), device="cpu")
+    assert set(dm.cache_features()) == {"train", "val", "test"}
+    assert [p.stat().st_mtime_ns for p in built] == stamps
+
+    assert main(["cache-features", "--config", str(cfg),
+                 "--model.net.finetune_encoder", "true"]) == 2
+
+
+# -- precision and compile ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_bf16_autocast_forward_backward_is_finite(attention: str) -> None:
+    torch.manual_seed(0)
+    net = CaptionerConfig(vocab_size=20, backbone="resnet18", weights=None, grid_size=3,
+                          embed_dim=32, hidden_dim=32, attn_dim=32, attention=attention)
+    module = CaptioningModule(net=net)
+    module.train()
+    B, T = 5, 7
+    lengths = torch.tensor([7, 7, 5, 4, 3])
+    captions = torch.randint(4, 20, (B, T))
+    captions[:, 0] = 1
+    for i, n in enumerate(lengths.tolist()):
+        captions[i, n - 1], captions[i, n:] = 2, 0
+    batch = type("B", (), {"images": torch.randn(B, 9, 512), "captions": captions,
+                           "lengths": lengths})()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        parts = module._losses(batch)
+        out = module.captioner(batch.images, captions, lengths)
+    assert out.logits.dtype == torch.bfloat16  # the matmuls did run in bf16
+    assert out.alphas.dtype == torch.float32  # the attention softmax stays float32
+    torch.testing.assert_close(out.alphas.sum(-1)[0], torch.ones(T - 1), atol=1e-5, rtol=0)
+    assert torch.isfinite(parts["loss"])
+    parts["loss"].backward()
+    grads = [p.grad for p in module.captioner.decoder.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_compile_flag_compiles_the_step_cell(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled: list[dict[str, Any]] = []
+
+    def fake_compile(fn: Any, **kwargs: Any) -> Any:
+        compiled.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    net = CaptionerConfig(vocab_size=10, backbone="resnet18", weights=None, grid_size=2,
+                          embed_dim=8, hidden_dim=8, attn_dim=8)
+    assert CaptioningModule(net=net).hparams.compile is False
+    module = CaptioningModule(net=net, compile=True)
+    module.setup("fit")
+    module.setup("validate")  # once only
+    assert compiled == [{"dynamic": True}]
+    assert "_advance" in vars(module.captioner.decoder)
