@@ -223,8 +223,8 @@ def _batches(paths: Sequence[Path], image_size: int, batch_size: int) -> Iterato
     """Load images with the project's loader and transform, `batch_size` good ones at a time."""
     import torch
 
-    from captioning.data.datamodule import build_image_transform
     from captioning.data.images import ImageLoadError, load_image
+    from captioning.data.transforms import build_image_transform
 
     transform = build_image_transform(image_size)
 

@@ -277,8 +277,28 @@ def _exit_status(exc: BaseException) -> int | None:
     return None
 
 
+def _finish_wandb(failed: bool) -> None:
+    """End the W&B run a command started, so that the next command in this process (tests,
+    notebooks) starts its own instead of reusing it."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish(exit_code=1 if failed else 0)
+
+
 def _run(argv: list[str], from_shell: bool) -> int:
     command = argv[0] if argv else ""
+    if command in ("caption", "shapes"):  # no W&B
+        return _dispatch(command, argv, from_shell)
+    try:
+        status = _dispatch(command, argv, from_shell)
+    except BaseException:
+        _finish_wandb(failed=True)
+        raise
+    _finish_wandb(failed=False)
+    return status
+
+
+def _dispatch(command: str, argv: list[str], from_shell: bool) -> int:
     if command == "caption":
         from captioning.caption import main as caption_main
 

@@ -115,8 +115,9 @@ def beam_search(
     """Batched beam search (N images × k beams as one batch); best hypothesis per image.
 
     Finished hypotheses are ranked by `length_normalised`. The search for an image stops
-    once no live beam can still beat its best finished one. An image with no finished
-    hypothesis by `max_len` returns its best live beam (`finished` False).
+    once no live beam can still beat its best finished one, and its rows leave the batch.
+    An image with no finished hypothesis by `max_len` returns its best live beam
+    (`finished` False).
     """
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
@@ -125,7 +126,7 @@ def beam_search(
     memory = decoder.memory(features)
     memory = type(memory)(*(m.repeat_interleave(k, dim=0) for m in memory))  # (N·k, ...)
     state = decoder.init_state(memory)
-    row_base = torch.arange(N, device=device).unsqueeze(1) * k  # (N, 1)
+    alive = torch.arange(N, device=device)  # original index of each image still searching
 
     tokens = torch.full((N * k,), ids.start, dtype=torch.long, device=device)
     beam_scores = torch.full((N, k), NEG_INF, device=device)
@@ -140,15 +141,15 @@ def beam_search(
     fin_tok = torch.full((N, max_len), ids.pad, dtype=torch.long, device=device)
     fin_alpha = torch.zeros(N, max_len, L, device=device)
     fin_loc = torch.zeros(N, max_len, dtype=torch.long, device=device)
-    active = torch.ones(N, dtype=torch.bool, device=device)
 
     for t in range(max_len):
+        n = alive.numel()
         log_probs, state, alpha = decoder.step(tokens, state, memory)
         V = log_probs.size(-1)
         log_probs = _banned(log_probs, ids, forbid_unk)
-        cand = (beam_scores.unsqueeze(-1) + log_probs.view(N, k, V)).view(N, k * V)
+        cand = (beam_scores.unsqueeze(-1) + log_probs.view(n, k, V)).view(n, k * V)
         # 2k candidates always hold >= k that do not end: <end> is one word per beam.
-        top_scores, top_idx = cand.topk(min(2 * k, k * V), dim=1)  # (N, 2k)
+        top_scores, top_idx = cand.topk(min(2 * k, k * V), dim=1)  # (n, 2k)
         src_beam = torch.div(top_idx, V, rounding_mode="floor")  # integer arithmetic only
         word = top_idx % V
         length = t + 1
@@ -156,65 +157,76 @@ def beam_search(
         # Finished candidates: an <end> among the top k (as in fairseq, so k = 1 is greedy)
         # is compared with each image's best finished hypothesis so far.
         in_top_k = torch.arange(top_idx.size(1), device=device) < k
-        is_end = (word == ids.end) & torch.isfinite(top_scores) & active.unsqueeze(1) & in_top_k
+        is_end = (word == ids.end) & torch.isfinite(top_scores) & in_top_k
         norm = length_normalised(top_scores, torch.full_like(word, length), length_penalty)
         norm = torch.where(is_end, norm, torch.full_like(norm, NEG_INF))
-        best_norm, best_j = norm.max(dim=1)  # (N,)
-        improve = best_norm > fin_norm
+        best_norm, best_j = norm.max(dim=1)  # (n,)
+        improve = best_norm > fin_norm[alive]
         if bool(improve.any()):
-            n_idx = improve.nonzero().squeeze(1)
-            j = best_j[n_idx]
-            b = src_beam[n_idx, j]
-            rows = (n_idx * k + b)
-            fin_norm[n_idx] = best_norm[n_idx]
-            fin_score[n_idx] = top_scores[n_idx, j]
-            fin_len[n_idx] = length
-            fin_tok[n_idx, :t] = hist_tok[n_idx, b]
-            fin_tok[n_idx, t] = ids.end
-            fin_tok[n_idx, t + 1 :] = ids.pad
-            fin_alpha[n_idx, :t] = hist_alpha[n_idx, b]
-            fin_alpha[n_idx, t] = alpha[rows].float()
-            fin_alpha[n_idx, t + 1 :] = 0.0
-            fin_loc[n_idx, :t] = hist_loc[n_idx, b]
-            fin_loc[n_idx, t] = state.location[rows]
+            local = improve.nonzero().squeeze(1)
+            g = alive[local]  # original image indices
+            j = best_j[local]
+            b = src_beam[local, j]
+            rows = local * k + b
+            fin_norm[g] = best_norm[local]
+            fin_score[g] = top_scores[local, j]
+            fin_len[g] = length
+            fin_tok[g, :t] = hist_tok[local, b]
+            fin_tok[g, t] = ids.end
+            fin_tok[g, t + 1 :] = ids.pad
+            fin_alpha[g, :t] = hist_alpha[local, b]
+            fin_alpha[g, t] = alpha[rows].float()
+            fin_alpha[g, t + 1 :] = 0.0
+            fin_loc[g, :t] = hist_loc[local, b]
+            fin_loc[g, t] = state.location[rows]
 
         # Live candidates: the best k that did not end.
         live_scores = torch.where(word == ids.end, torch.full_like(top_scores, NEG_INF), top_scores)
-        live_scores, order = live_scores.topk(k, dim=1)  # (N, k)
+        beam_scores, order = live_scores.topk(k, dim=1)  # (n, k)
         src = src_beam.gather(1, order)
         new_word = word.gather(1, order)
-        rows = (row_base + src).view(-1)  # (N·k,) rows of the state to keep
-        state = type(state)(*(s.index_select(0, rows) for s in state))
-        alpha_rows = alpha.float().index_select(0, rows).view(N, k, 1, L)
+        rows = (torch.arange(n, device=device).unsqueeze(1) * k + src).view(-1)  # (n·k,)
+        state = type(state)(*(x.index_select(0, rows) for x in state))
+        alpha_rows = alpha.float().index_select(0, rows).view(n, k, 1, L)
         hist_tok = torch.cat([hist_tok.gather(1, src.unsqueeze(-1).expand_as(hist_tok)),
                               new_word.unsqueeze(-1)], dim=2)
         hist_alpha = torch.cat([
-            hist_alpha.gather(1, src.view(N, k, 1, 1).expand_as(hist_alpha)), alpha_rows], dim=2)
+            hist_alpha.gather(1, src.view(n, k, 1, 1).expand_as(hist_alpha)), alpha_rows], dim=2)
         hist_loc = torch.cat([hist_loc.gather(1, src.unsqueeze(-1).expand_as(hist_loc)),
-                              state.location.view(N, k, 1)], dim=2)
-        beam_scores = live_scores
+                              state.location.view(n, k, 1)], dim=2)
         tokens = new_word.view(-1)
 
-        # Stop an image once no live beam can beat its best finished hypothesis. Raw scores only
-        # fall as words are added, so with α >= 0 the best a live beam can reach is its score
-        # normalised by the longest allowed length.
+        # An image is done once no live beam can beat its best finished hypothesis. Raw scores
+        # only fall as words are added, so with α >= 0 the best a live beam can reach is its
+        # score normalised by the longest allowed length.
         best_live = beam_scores.max(dim=1).values
         bound_len = max_len if length_penalty > 0 else length
-        bound = length_normalised(best_live, torch.full_like(fin_len, bound_len), length_penalty)
-        active &= ~(fin_norm >= bound)
-        if not bool(active.any()):
+        bound = length_normalised(best_live, torch.full_like(best_live, bound_len),
+                                  length_penalty)
+        done = torch.isfinite(fin_norm[alive]) & (fin_norm[alive] >= bound)
+        if bool(done.all()) or t == max_len - 1:
             break
+        if bool(done.any()):  # finished images leave the batch
+            keep = (~done).nonzero().squeeze(1)
+            keep_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)
+            alive, beam_scores = alive[keep], beam_scores[keep]
+            hist_tok, hist_alpha, hist_loc = hist_tok[keep], hist_alpha[keep], hist_loc[keep]
+            memory = type(memory)(*(m.index_select(0, keep_rows) for m in memory))
+            state = type(state)(*(x.index_select(0, keep_rows) for x in state))
+            tokens = tokens.index_select(0, keep_rows)
 
-    # Images with no finished hypothesis: return the best live beam.
-    none = torch.isinf(fin_norm) & (fin_norm < 0)
-    if bool(none.any()):
-        n_idx = none.nonzero().squeeze(1)
-        b = beam_scores[n_idx].argmax(dim=1)
+    # Images still searching with no finished hypothesis: return the best live beam.
+    none_local = (~torch.isfinite(fin_norm[alive])).nonzero().squeeze(1)
+    if none_local.numel():
+        g = alive[none_local]
+        b = beam_scores[none_local].argmax(dim=1)
         T = hist_tok.size(2)
-        fin_tok[n_idx, :T] = hist_tok[n_idx, b]
-        fin_alpha[n_idx, :T] = hist_alpha[n_idx, b]
-        fin_loc[n_idx, :T] = hist_loc[n_idx, b]
-        fin_len[n_idx] = T
-        fin_score[n_idx] = beam_scores[n_idx, b]
+        fin_tok[g, :T] = hist_tok[none_local, b]
+        fin_alpha[g, :T] = hist_alpha[none_local, b]
+        fin_loc[g, :T] = hist_loc[none_local, b]
+        fin_len[g] = T
+        fin_score[g] = beam_scores[none_local, b]
+    finished = torch.isfinite(fin_norm)
     T = int(fin_len.max().item()) if N else 0
-    return Generation(fin_tok[:, :T], fin_len, fin_score, fin_alpha[:, :T], fin_loc[:, :T], ~none)
+    return Generation(fin_tok[:, :T], fin_len, fin_score, fin_alpha[:, :T], fin_loc[:, :T],
+                      finished)

@@ -73,6 +73,9 @@ def _trainer_config(run_dir: Path) -> Path:
     cfg["trainer"]["default_root_dir"] = str(run_dir)
     for lg in cfg["trainer"].get("logger") or []:
         lg.setdefault("init_args", {})["save_dir"] = str(run_dir)
+    for cb in cfg["trainer"].get("callbacks") or []:
+        if cb.get("class_path", "").endswith("ModelCheckpoint"):
+            cb.setdefault("init_args", {})["dirpath"] = str(run_dir / "checkpoints")
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "trainer.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
-IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+from captioning.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 UPSAMPLE_MODES: tuple[str, ...] = ("bicubic", "bilinear", "gaussian")
 GAUSSIAN_SIGMA_CELLS = 0.6  # std of the "gaussian" upsampling kernel, in grid cells

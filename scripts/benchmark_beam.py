@@ -80,15 +80,25 @@ def checkpoint_setup(args: argparse.Namespace) -> tuple[AttentionLSTMDecoder, Te
 
 
 def timed(decode: Callable[[Tensor], Generation], features: Tensor, batch_size: int,
-          device: torch.device) -> tuple[float, list[Generation]]:
-    """Seconds to decode all `features` in batches of `batch_size`, and the outputs."""
-    outs = []
-    _sync(device)
-    t0 = time.perf_counter()
+          device: torch.device) -> tuple[float, float, list[Generation], list[Generation]]:
+    """Seconds to decode all `features` batched and one at a time, and both outputs.
+
+    The two modes alternate chunk by chunk (a batch, then its images one by one), so that
+    both see the same machine load when other processes come and go."""
+    t_batched = t_single = 0.0
+    batched: list[Generation] = []
+    single: list[Generation] = []
     for s in range(0, features.size(0), batch_size):
-        outs.append(decode(features[s:s + batch_size]))
-    _sync(device)
-    return time.perf_counter() - t0, outs
+        chunk = features[s:s + batch_size]
+        _sync(device)
+        t0 = time.perf_counter()
+        batched.append(decode(chunk))
+        _sync(device)
+        t1 = time.perf_counter()
+        single += [decode(chunk[i:i + 1]) for i in range(chunk.size(0))]
+        _sync(device)
+        t_batched, t_single = t_batched + t1 - t0, t_single + time.perf_counter() - t1
+    return t_batched, t_single, batched, single
 
 
 def same_captions(a: list[Generation], b: list[Generation]) -> int:
@@ -138,13 +148,16 @@ def main() -> None:
             decode(features[i:i + 1])
     _sync(device)
 
-    batched_s, single_s = [], []
-    for _ in range(args.repeats):
-        tb, out_b = timed(decode, features, args.batch_size, device)
-        ts, out_s = timed(decode, features, 1, device)
-        batched_s.append(tb)
-        single_s.append(ts)
-    tb, ts = statistics.median(batched_s), statistics.median(single_s)
+    runs = []
+    for r in range(args.repeats):
+        tb, ts, out_b, out_s = timed(decode, features, args.batch_size, device)
+        runs.append((tb, ts))
+        if args.repeats > 1:
+            log.info("run %d: batched %.2f s, one at a time %.2f s, speed-up %.1fx",
+                     r + 1, tb, ts, ts / tb)
+    tb = statistics.median(t for t, _ in runs)
+    ts = statistics.median(t for _, t in runs)
+    ratio = statistics.median(s / b for b, s in runs)
     n = features.size(0)
     steps = sum(int(g.lengths.max()) for g in out_s) / n
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -152,12 +165,11 @@ def main() -> None:
     source = args.checkpoint or (f"random demo-size decoder, grids L={features.size(1)} "
                                  f"D={features.size(2)}")
     print(f"beam search, beam {args.beam_size}, {n} images, {source}; {where}; "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}; median of {args.repeats} run(s)")
     print(f"  batched ({args.batch_size}/call): {n / tb:8.1f} images/s  ({tb:.2f} s)")
     print(f"  one at a time:        {n / ts:8.1f} images/s  ({ts:.2f} s)")
-    print(f"  speed-up: {ts / tb:.1f}x   mean steps per image: {steps:.1f}   "
+    print(f"  speed-up: {ratio:.1f}x   mean steps per image: {steps:.1f}   "
           f"same captions: {same_captions(out_b, out_s)}/{n}")
-
 
 if __name__ == "__main__":
     main()

@@ -268,9 +268,6 @@ def test_caption_command_imports_no_metrics_or_logging_packages(
     assert not top & {"wandb", "pycocoevalcap", "nltk"}
 
 
-@pytest.mark.xfail(strict=True, reason="build_image_transform lives in captioning/data/"
-                   "datamodule.py, which imports lightning at module level; move it (and "
-                   "IMAGENET_MEAN/STD) to a lightning-free module, then drop this mark")
 def test_caption_command_does_not_import_lightning(console_run: dict[str, Any]) -> None:
     assert "lightning" not in {name.split(".")[0] for name in console_run["imported"]}
 

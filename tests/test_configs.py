@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from conftest import SHAPES_PARAMS
 
 from captioning.cli import CONFIG_DIR, main
-from conftest import SHAPES_PARAMS
 
 TRAINERS = sorted((CONFIG_DIR / "trainer").glob("*.yaml"))
 DATA = sorted((CONFIG_DIR / "data").glob("*.yaml"))
@@ -85,6 +85,9 @@ def test_demo_config_shrunk_fits(attention: str, shapes_root: Path, tmp_path: Pa
     trainer_cfg["trainer"]["default_root_dir"] = str(tmp_path)
     for lg in trainer_cfg["trainer"]["logger"]:
         lg["init_args"]["save_dir"] = str(tmp_path)
+    for cb in trainer_cfg["trainer"]["callbacks"]:
+        if cb["class_path"].endswith("ModelCheckpoint"):
+            cb["init_args"]["dirpath"] = str(tmp_path / "checkpoints")
     (tmp_path / "trainer.yaml").write_text(yaml.safe_dump(trainer_cfg))
     torch.set_num_threads(1)
     main(["fit", "--config", str(tmp_path / "trainer.yaml"),

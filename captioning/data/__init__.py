@@ -16,9 +16,9 @@ _EXPORTS: dict[str, str] = {
     "Records": "readers", "read_coco_captions": "readers", "read_karpathy": "readers",
     "COLORS": "shapes", "SHAPES": "shapes", "SIZES": "shapes", "generate_shapes": "shapes",
     "load_boxes": "shapes", "parse_objects": "shapes", "scene_objects": "shapes",
-    "IMAGENET_MEAN": "datamodule", "IMAGENET_STD": "datamodule",
+    "IMAGENET_MEAN": "transforms", "IMAGENET_STD": "transforms",
     "BucketBatchSampler": "datamodule", "CaptionBatch": "datamodule",
-    "CaptionDataModule": "datamodule", "build_image_transform": "datamodule",
+    "CaptionDataModule": "datamodule", "build_image_transform": "transforms",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -37,12 +37,10 @@ from captioning.data.readers import (
     read_karpathy,
 )
 from captioning.data.shapes import BOXES_FILE, SPLIT_FILE, generate_shapes, load_boxes
+from captioning.data.transforms import IMAGENET_MEAN, IMAGENET_STD, build_image_transform
 from captioning.vocab import Vocabulary, tokenize
 
 log = logging.getLogger(__name__)
-
-IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
-IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 #: Images carved out for each missing COCO val/test split (at most a fifth of the source).
 COCO_CARVE_SIZE = 5000
@@ -101,19 +99,6 @@ collate_captions = CaptionCollate()
 
 # --------------------------------------------------------------------------------------------
 # Datasets
-
-
-def build_image_transform(image_size: int, *, train: bool = False,
-                          hflip: bool = False) -> Callable[[Any], Tensor]:
-    """PIL image -> (3, S, S) float tensor: resize shorter side to S, centre crop, normalise."""
-    from torchvision.transforms import v2
-
-    ops: list[Any] = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)]
-    if train and hflip:
-        ops.append(v2.RandomHorizontalFlip())
-    ops += [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-    return v2.Compose(ops)
 
 
 class ImageInputs(Dataset):
