@@ -3,7 +3,9 @@
     python scripts/benchmark.py                      # CPU: paper-size decoder, mobilenet_v2
     python scripts/benchmark.py --device cuda --precision bf16-mixed --paper
 
-Rows (each measured in a fresh subprocess, so that peak memory is per row):
+Rows (each measured in fresh subprocesses, so that peak memory is per row; the training rows
+in `--rounds` interleaved rounds, so that a busy spell of a shared machine is spread over all
+of them):
 
 * training captions/s through the real `CaptionDataModule` + `CaptioningModule` + Lightning
   `Trainer`, with the encoder's features cached (the CNN never runs) or not (the frozen CNN
@@ -227,16 +229,27 @@ def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
         notes.append(f"{spec['warmup']} warm-up steps incl. compiling: {timer.first_steps:.0f} s")
     if spec.get("save_weights"):
         torch.save(module.state_dict(), spec["save_weights"])
-    # Medians over the timed steps: robust to other processes on a shared machine.
-    total = [a + b for a, b in zip(timer.steps, timer.waits)]
-    rate = statistics.median(n / t for n, t in zip(timer.sizes, total))
-    return {"captions_per_s": rate, "step_ms": 1e3 * statistics.median(timer.steps),
-            "wait": statistics.median(timer.waits) / statistics.median(total),
-            "mean_captions_per_s": sum(timer.sizes) / sum(total),
-            "mean_wait": sum(timer.waits) / sum(total),
-            "padding": 1 - timer.real / max(1, timer.rows),
-            "peak_mb": _peak_memory_mb(device), "notes": "; ".join(notes),
-            "vocab": dm.vocab_size}
+    return {"steps": timer.steps, "waits": timer.waits, "sizes": timer.sizes,
+            "rows": timer.rows, "real": timer.real, "peak_mb": _peak_memory_mb(device),
+            "notes": "; ".join(notes), "vocab": dm.vocab_size}
+
+
+def summarize_train(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pool the timed steps of every round: medians (robust to other processes on a shared
+    machine) and means."""
+    steps = [x for r in rounds for x in r["steps"]]
+    waits = [x for r in rounds for x in r["waits"]]
+    sizes = [x for r in rounds for x in r["sizes"]]
+    total = [a + b for a, b in zip(steps, waits)]
+    return {"captions_per_s": statistics.median(n / t for n, t in zip(sizes, total)),
+            "step_ms": 1e3 * statistics.median(steps),
+            "wait": statistics.median(waits) / statistics.median(total),
+            "mean_captions_per_s": sum(sizes) / sum(total), "mean_wait": sum(waits) / sum(total),
+            "padding": 1 - sum(r["real"] for r in rounds) / max(1, sum(r["rows"] for r in rounds)),
+            "peak_mb": max(r["peak_mb"] for r in rounds), "timed_steps": len(steps),
+            "per_round_captions_per_s": [sum(r["sizes"]) / (sum(r["steps"]) + sum(r["waits"]))
+                                         for r in rounds],
+            "notes": rounds[0]["notes"]}
 
 
 def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
@@ -353,7 +366,7 @@ def _run_worker(spec: dict[str, Any], threads: int | None) -> dict[str, Any]:
 # Orchestration
 
 
-def _machine(device: str) -> str:
+def _machine(device: str, threads: int | None) -> str:
     import platform
 
     import torch
@@ -367,7 +380,7 @@ def _machine(device: str) -> str:
     except OSError:
         pass
     desc = f"{os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}, " \
-           f"{torch.get_num_threads()} intra-op threads"
+           f"{threads or torch.get_num_threads()} intra-op thread(s) per run"
     if device.startswith("cuda") and torch.cuda.is_available():
         desc += f", GPU {torch.cuda.get_device_name()}"
     return desc
@@ -386,8 +399,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="COCO paper configuration: VGG-19 14x14x512, LSTM 1800, batch 64, "
                         "10k-word synthetic COCO captions")
     p.add_argument("--batch-size", type=int, default=None, help="default 32 (64 with --paper)")
-    p.add_argument("--steps", type=int, default=20, help="timed training steps per row")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=24, help="timed training steps per row")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="split each row's steps over this many interleaved rounds (each a fresh "
+                        "process with its own warm-up)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first, per round")
     p.add_argument("--num-train", type=int, default=640, help="shapes training images")
     p.add_argument("--num-workers", type=int, default=None,
                    help="DataLoader workers (default: 0 cached, 2 uncached on CPU; 4 on GPU)")
@@ -397,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="uncached,cached,channels_last,nobucket,compile,beam,coco",
                    help="comma-separated subset of: uncached,cached,channels_last,nobucket,"
                         "compile,beam,coco")
-    p.add_argument("--threads", type=int, default=None, help="OMP threads per worker")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads per run (default: torch's); use 1 on a machine "
+                        "shared with other jobs, where OpenMP thread teams stall")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
@@ -442,32 +460,43 @@ def main(argv: list[str] | None = None) -> int:
 
         results: list[tuple[str, dict[str, Any]]] = []
 
-        def train_row(name: str, **kw: Any) -> None:
-            cached = kw.get("cached", True)
-            workers = args.num_workers if args.num_workers is not None else (
-                4 if cuda else (0 if cached else 2))
-            spec = {**base, "kind": "train", "attention": "soft", "cached": True,
-                    "num_workers": workers, **kw}
-            log.info("running: %s", name)
-            res = _run_worker(spec, args.threads)
-            res["notes"] = "; ".join(x for x in (f"{workers} loader workers", res["notes"]) if x)
-            results.append((name, res))
-
+        configs: list[tuple[str, dict[str, Any]]] = []
         weights = str(work / "cached_soft.pt")
         for attention in ("soft", "hard"):
             if "uncached" in rows:
-                train_row(f"train, uncached, {attention}", cached=False, attention=attention)
+                configs.append((f"train, uncached, {attention}",
+                                {"cached": False, "attention": attention}))
             if "cached" in rows:
-                train_row(f"train, cached, {attention}", attention=attention,
-                          save_weights=weights if attention == "soft" else None)
+                configs.append((f"train, cached, {attention}", {
+                    "attention": attention,
+                    "save_weights": weights if attention == "soft" else None}))
         if "channels_last" in rows:
-            train_row("train, uncached, soft, channels_last", cached=False,
-                      channels_last=True)
+            configs.append(("train, uncached, soft, channels_last",
+                            {"cached": False, "channels_last": True}))
         if "nobucket" in rows:
-            train_row("train, cached, soft, no bucketing", bucketing=False)
+            configs.append(("train, cached, soft, no bucketing", {"bucketing": False}))
         if "compile" in rows:
-            train_row("train, cached, soft, torch.compile", compile=True,
-                      warmup=max(args.warmup, 3))
+            configs.append(("train, cached, soft, torch.compile",
+                            {"compile": True, "warmup": max(args.warmup, 3)}))
+        # Interleaved rounds: every configuration runs a share of its steps in each round, so
+        # that a busy spell of the machine does not land on one configuration only.
+        per_round = -(-args.steps // args.rounds)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
+        workers: dict[str, int] = {}
+        for r in range(args.rounds):
+            for name, kw in configs:
+                cached = kw.get("cached", True)
+                workers[name] = args.num_workers if args.num_workers is not None else (
+                    4 if cuda else (0 if cached else 2))
+                spec = {**base, "kind": "train", "attention": "soft", "cached": True,
+                        "num_workers": workers[name], **kw, "steps": per_round}
+                log.info("round %d/%d: %s", r + 1, args.rounds, name)
+                runs[name].append(_run_worker(spec, args.threads))
+        for name, _ in configs:
+            res = summarize_train(runs[name])
+            res["notes"] = "; ".join(x for x in (f"{workers[name]} loader workers",
+                                                 res["notes"]) if x)
+            results.append((name, res))
         if "beam" in rows:
             log.info("running: beam search")
             res = _run_worker({**base, "kind": "beam", "attention": "soft", "num_workers": 0,
@@ -495,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(args, batch, results, padding)
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "machine": _machine(args.device), "args": vars(args),
+            "machine": _machine(args.device, args.threads), "args": vars(args),
             "rows": dict(results), "padding": padding}, indent=2))
     return 0
 
@@ -505,9 +534,10 @@ def _print_table(args: argparse.Namespace, batch: int, results: list[tuple[str, 
     cfg = ("VGG-19 14x14x512, embed/attn 512, LSTM 1800" if args.paper else
            "mobilenet_v2 7x7x1280 (random weights), embed/attn/LSTM 512")
     mem = "peak GPU MB" if args.device.startswith("cuda") else "peak RSS MB"
-    print(f"\nmachine: {_machine(args.device)}")
+    print(f"\nmachine: {_machine(args.device, args.threads)}")
     print(f"model: {cfg}, frozen encoder, 224 px, batch {batch}, device {args.device}, "
-          f"precision {args.precision}, {args.steps} timed steps after {args.warmup} warm-up")
+          f"precision {args.precision}; training: {args.steps} timed steps per row in "
+          f"{args.rounds} interleaved rounds, each after {args.warmup} warm-up steps")
     head = f"| {'configuration':<42} | {'captions/s':>10} | {'step ms':>8} | {'data wait':>9} " \
            f"| {'padding':>7} | {mem:>11} | notes"
     print(head)

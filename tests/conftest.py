@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from PIL import Image
 
 from captioning.data.shapes import generate_shapes
@@ -16,6 +17,16 @@ from captioning.vocab import tokenize
 #: Parameters of the session's shapes dataset (pass them to CaptionDataModule as shapes_*).
 SHAPES_PARAMS: dict[str, int] = {"num_train": 24, "num_val": 8, "num_test": 8,
                                  "image_size": 64, "seed": 0}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread() -> Any:
+    """Test models are tiny and op-overhead bound: one intra-op thread is several times faster
+    on a 2-core CPU than two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from typing import Any
 import lightning.pytorch as L
 import numpy as np
 import pytest
-import torch
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image
@@ -24,14 +23,6 @@ from captioning.models.captioner import CaptionerConfig
 S = 64  # image size: every panel is S wide
 LABEL = 14  # render_strips' default label strip height
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are op-overhead bound: one intra-op thread is faster on CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_dm(kwargs: dict[str, Any], tmp_path: Path, *, feature_cache: bool) -> CaptionDataModule:

@@ -30,14 +30,6 @@ def trained(shapes_dm_kwargs: dict[str, Any],
     return trained_model(shapes_dm_kwargs, tmp_path_factory)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def run(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, list[str], list[str]]:
     """main(args) -> (status, stdout lines, stderr lines that are not log records)."""
     rc = main([str(a) for a in args])

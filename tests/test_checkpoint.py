@@ -63,22 +63,17 @@ def _train(shapes_root: str, dm_items: tuple[tuple[str, Any], ...], out: str) ->
     from captioning.data.datamodule import CaptionDataModule
     from captioning.lit_module import CaptioningModule
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        L.seed_everything(0, verbose=False)
-        dm = CaptionDataModule(**dict(dm_items), feature_cache=False)
-        module = CaptioningModule(vocab_size=dm.vocab_size, net=NET, decoder_lr=1e-2,
-                                  beam_size=3, max_len=12, compute_metrics=False)
-        trainer = L.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, limit_val_batches=0,
-                            default_root_dir=out)
-        trainer.fit(module, datamodule=dm)
-        ckpt = Path(out) / "tiny.ckpt"
-        trainer.save_checkpoint(ckpt)
-    finally:
-        torch.set_num_threads(threads)
+    L.seed_everything(0, verbose=False)
+    dm = CaptionDataModule(**dict(dm_items), feature_cache=False)
+    module = CaptioningModule(vocab_size=dm.vocab_size, net=NET, decoder_lr=1e-2,
+                              beam_size=3, max_len=12, compute_metrics=False)
+    trainer = L.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=out)
+    trainer.fit(module, datamodule=dm)
+    ckpt = Path(out) / "tiny.ckpt"
+    trainer.save_checkpoint(ckpt)
     images = sorted((Path(shapes_root) / "images").glob("test_*.png"))
     return Trained(module.eval(), ckpt, dm.vocab, images)
 
@@ -96,14 +91,6 @@ def trained(shapes_dm_kwargs: dict[str, Any],
             tmp_path_factory: pytest.TempPathFactory) -> Trained:
     return trained_model(shapes_dm_kwargs, tmp_path_factory)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are op-overhead bound: one intra-op thread is faster on CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _edited(trained: Trained, tmp_path: Path, edit: Any) -> Path:

@@ -89,7 +89,6 @@ def test_demo_config_shrunk_fits(attention: str, shapes_root: Path, tmp_path: Pa
         if cb["class_path"].endswith("ModelCheckpoint"):
             cb["init_args"]["dirpath"] = str(tmp_path / "checkpoints")
     (tmp_path / "trainer.yaml").write_text(yaml.safe_dump(trainer_cfg))
-    torch.set_num_threads(1)
     main(["fit", "--config", str(tmp_path / "trainer.yaml"),
           "--config", str(CONFIG_DIR / "data" / "shapes.yaml"),
           "--config", str(CONFIG_DIR / "model" / f"demo_{attention}.yaml"),

@@ -16,14 +16,6 @@ PAD, START, END, UNK = 0, 1, 2, 3
 D, L = 16, 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are op-overhead bound: one intra-op thread is several times faster on CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def make_decoder(seed: int, *, vocab_size: int = 10, **kw) -> AttentionLSTMDecoder:
     torch.manual_seed(seed)

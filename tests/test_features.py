@@ -25,14 +25,6 @@ from captioning.models.encoder import CNNEncoder
 S = 64  # image size of the session's shapes dataset
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are op-overhead bound: one intra-op thread is faster on CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class _Forbidden(RuntimeError):
     pass

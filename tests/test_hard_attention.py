@@ -27,14 +27,6 @@ V, D, L = 12, 16, 5
 PAD, START, END = 0, 1, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are op-overhead bound: one intra-op thread is several times faster on CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def make_decoder(**kw) -> AttentionLSTMDecoder:
     args = dict(vocab_size=V, feature_dim=D, embed_dim=16, hidden_dim=32, attn_dim=16,

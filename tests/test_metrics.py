@@ -88,7 +88,6 @@ def reference() -> dict[str, float]:
 # --------------------------------------------------------------------------- coco (Java)
 
 
-@pytest.mark.slow
 @needs_java
 def test_coco_scores_equal_pycocoevalcap(ours, reference) -> None:
     assert set(ours) == set(metrics.COCO_METRICS)
@@ -98,7 +97,6 @@ def test_coco_scores_equal_pycocoevalcap(ours, reference) -> None:
     assert ours["CIDEr"] > 0
 
 
-@pytest.mark.slow
 @needs_java
 def test_special_tokens_are_stripped(ours, reference) -> None:
     # WITH_SPECIALS differs from CLEAN only by special tokens; the scores are identical
@@ -106,7 +104,6 @@ def test_special_tokens_are_stripped(ours, reference) -> None:
     assert ours == pytest.approx(reference, abs=1e-9)
 
 
-@pytest.mark.slow
 @needs_java
 def test_empty_hypotheses_silent_no_spice_no_java_left(capfd, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="captioning.metrics"):
