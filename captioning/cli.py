@@ -102,7 +102,7 @@ def check_checkpoint_file(ckpt_path: str | os.PathLike[str] | None) -> None:
     if ckpt_path is None or str(ckpt_path) in SPECIAL_CKPT_PATHS or "://" in str(ckpt_path) \
             or str(ckpt_path).startswith("registry:"):
         return
-    from captioning.checkpoint import CheckpointError, CheckpointNotFoundError
+    from captioning.checkpoint import CheckpointError, CheckpointNotFoundError, _first_reason
 
     path = Path(ckpt_path)
     if not path.exists():
@@ -126,20 +126,12 @@ def check_checkpoint_file(ckpt_path: str | os.PathLike[str] | None) -> None:
                 "which can run arbitrary code (only tensors and plain data are accepted; nothing "
                 "from the file was run)") from None
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint "
-                              f"({_first_line(str(e))})") from None
+                              f"({_first_reason(str(e))})") from None
     except MemoryError:
         raise
     except Exception as e:  # truncated, not a zip, not a pickle, ...
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint "
-                              f"({type(e).__name__}: {_first_line(str(e))})") from None
-
-
-def _first_line(message: str) -> str:
-    found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", message)
-    if found:
-        return found.group(1).strip()
-    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
-    return lines[0][:200] if lines else "unknown error"
+                              f"({type(e).__name__}: {_first_reason(str(e))})") from None
 
 
 def wandb_dirs(run_dir: str | Path) -> dict[str, str]:
