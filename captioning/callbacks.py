@@ -99,7 +99,12 @@ class AttentionOverlayCallback(L.Callback):
         if trainer.sanity_checking:
             return
         self.validation_epochs += 1  # on every rank: the cadence stays in step
-        if self.validation_epochs % self.every_n_epochs or not trainer.is_global_zero:
+        if self.validation_epochs % self.every_n_epochs:
+            return
+        if self.save_dir is None and not _wandb_loggers(trainer):
+            # trainer.log_dir is a collective under DDP: every rank must ask for it.
+            self._fallback_root = trainer.log_dir or trainer.default_root_dir
+        if not trainer.is_global_zero:
             return
         self.log_overlays(trainer, pl_module)
 
@@ -146,7 +151,7 @@ class AttentionOverlayCallback(L.Callback):
         if self.save_dir is not None:
             folder = Path(self.save_dir) / f"epoch_{epoch:02d}"
         elif not wandb_loggers:
-            root = trainer.log_dir or trainer.default_root_dir
+            root = getattr(self, "_fallback_root", None) or trainer.default_root_dir
             folder = Path(root) / "overlays" / f"epoch_{epoch:02d}"
         if folder is not None:
             for k, (image_id, strip) in enumerate(zip(image_ids, strips)):
