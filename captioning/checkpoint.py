@@ -55,14 +55,22 @@ class LoadedModel:
     path: Path | None = None
 
 
-def _read(path: Path, map_location: Any) -> dict[str, Any]:
-    """torch.load with weights_only=True; every failure becomes a CheckpointError."""
+def _read(path: Path, map_location: Any, *, mmap: bool = False) -> dict[str, Any]:
+    """torch.load with weights_only=True; every failure becomes a CheckpointError.
+
+    With `mmap` the tensors stay on disk (only the pickle is parsed), for a cheap safety check.
+    """
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: checkpoint file does not exist")
     if not path.is_file():
         raise CheckpointError(f"{path}: is not a file")
     try:
-        data = torch.load(path, map_location=map_location, weights_only=True)
+        try:
+            data = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        except RuntimeError as e:
+            if not mmap or "mmap" not in str(e):
+                raise
+            data = torch.load(path, map_location=map_location, weights_only=True)  # legacy format
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         if found:

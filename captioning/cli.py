@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
 import re
 import sys
 from collections.abc import Sequence
@@ -102,36 +101,9 @@ def check_checkpoint_file(ckpt_path: str | os.PathLike[str] | None) -> None:
     if ckpt_path is None or str(ckpt_path) in SPECIAL_CKPT_PATHS or "://" in str(ckpt_path) \
             or str(ckpt_path).startswith("registry:"):
         return
-    from captioning.checkpoint import CheckpointError, CheckpointNotFoundError, _first_reason
+    from captioning.checkpoint import _read
 
-    path = Path(ckpt_path)
-    if not path.exists():
-        raise CheckpointNotFoundError(f"{path}: checkpoint file does not exist")
-    if not path.is_file():
-        raise CheckpointError(f"{path}: is not a file")
-    import torch
-
-    try:
-        try:
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
-    except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        if found:
-            raise CheckpointError(
-                f"{path}: refused to load: its pickle would import and call {found.group(1)}, "
-                "which can run arbitrary code (only tensors and plain data are accepted; nothing "
-                "from the file was run)") from None
-        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint "
-                              f"({_first_reason(str(e))})") from None
-    except MemoryError:
-        raise
-    except Exception as e:  # truncated, not a zip, not a pickle, ...
-        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint "
-                              f"({type(e).__name__}: {_first_reason(str(e))})") from None
+    _read(Path(ckpt_path), "cpu", mmap=True)
 
 
 def wandb_dirs(run_dir: str | Path) -> dict[str, str]:
