@@ -136,7 +136,8 @@ class AttentionOverlayCallback(L.Callback):
 
         width = images.shape[-1]
         height = images.shape[-2]
-        strips_np = [strips[i, :, : (len(words[i]) + 1) * width].contiguous().cpu().numpy()
+        full_np = strips.cpu().numpy()  # (N, H', W * (T_max + 1), 3): one size for the media list
+        strips_np = [full_np[i, :, : (len(words[i]) + 1) * width].copy()
                      for i in range(len(words))]  # each strip cut to its own caption
         self.last_captions = dict(zip(image_ids, captions))
         self.last_words = dict(zip(image_ids, words))
@@ -144,7 +145,8 @@ class AttentionOverlayCallback(L.Callback):
 
         wandb_loggers = _wandb_loggers(trainer)
         for logger in wandb_loggers:
-            self._log_wandb(logger, strips_np, height, width, captions, references, step)
+            self._log_wandb(logger, list(full_np), strips_np, height, width, captions, references,
+                            step)
 
         self.last_paths = []
         folder = None
@@ -160,15 +162,16 @@ class AttentionOverlayCallback(L.Callback):
                 self.last_paths.append(path)
             log.info("wrote %d attention overlays to %s", len(self.last_paths), folder)
 
-    def _log_wandb(self, logger: Any, strips: Sequence[Any], height: int, width: int,
-                   captions: Sequence[str], references: Sequence[Sequence[str]],
+    def _log_wandb(self, logger: Any, full: Sequence[Any], strips: Sequence[Any], height: int,
+                   width: int, captions: Sequence[str], references: Sequence[Sequence[str]],
                    step: int) -> None:
+        """`full`: equal-size strips (W&B media lists need one size); `strips`: cut per caption."""
         import numpy as np
         import wandb
 
         key = f"{self.split}/attention"
         metrics: dict[str, Any] = {
-            key: [wandb.Image(s, caption=c) for s, c in zip(strips, captions)]}
+            key: [wandb.Image(s, caption=c) for s, c in zip(full, captions)]}
         if self.log_table:
             rows = [[wandb.Image(np.ascontiguousarray(s[:height, :width])), c, "\n".join(refs),
                      wandb.Image(s, caption=c)]

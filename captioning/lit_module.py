@@ -21,10 +21,12 @@ from torch import Tensor
 from captioning.decoding import Generation
 from captioning.losses import (
     MovingAverageBaseline,
+    TokenBaseline,
     doubly_stochastic_penalty,
     entropy_bonus,
     reinforce_loss,
-    sequence_log_likelihood,
+    reward_to_go,
+    word_log_likelihoods,
     target_mask,
 )
 from captioning.models.captioner import Captioner, CaptionerConfig, Strategy
@@ -70,6 +72,7 @@ class CaptioningModule(L.LightningModule):
         reward_scale: float = 0.1,
         entropy_weight: float = 0.002,
         baseline_momentum: float = 0.9,
+        advantage: Literal["sequence", "token"] = "sequence",
         eval_strategy: Strategy = "beam",
         beam_size: int = 3,
         max_len: int = 20,
@@ -87,7 +90,12 @@ class CaptioningModule(L.LightningModule):
         self.save_hyperparameters(ignore=["net"])
         self.hparams["net"] = net.to_dict()
         self.captioner = Captioner(net)
+        if advantage not in ("sequence", "token"):
+            raise ValueError(f"advantage must be 'sequence' or 'token', got {advantage!r}")
         self.baseline = MovingAverageBaseline(momentum=baseline_momentum)
+        if advantage == "token":
+            self.token_baseline = TokenBaseline(vocab_size=net.vocab_size,
+                                                momentum=baseline_momentum)
         self.vocab: Vocabulary | None = None
         self.val_results = EvalResults()
         self.test_results = EvalResults()
@@ -237,7 +245,8 @@ class CaptioningModule(L.LightningModule):
         T = out.logits.size(1)
         targets = batch.captions[:, 1 : T + 1]
         mask = target_mask(batch.lengths, T)
-        loglik = sequence_log_likelihood(out.logits, targets, mask)  # (B,) log p(y | s̃, a)
+        word_ll = word_log_likelihoods(out.logits, targets, mask)  # (B, T)
+        loglik = word_ll.sum(dim=1)  # (B,) log p(y | s̃, a)
         nll = -loglik.mean()
         penalty = doubly_stochastic_penalty(out.alphas, mask)
         parts = {
@@ -249,8 +258,17 @@ class CaptioningModule(L.LightningModule):
         if out.attn_log_probs is not None and out.attn_entropy is not None:
             # Hard attention (§4.1): REINFORCE with a moving-average baseline plus entropy.
             sampled = out.sampled
-            rl = reinforce_loss(loglik, out.attn_log_probs, mask, self.baseline.value,
-                                sampled=sampled)
+            if self.hparams.advantage == "token":
+                # Reward-to-go with a per-word baseline: α_t is credited only with the words it
+                # can still affect, each measured against that word's usual log-likelihood.
+                b_t = reward_to_go(self.token_baseline(targets), mask)
+                rl = reinforce_loss(reward_to_go(word_ll, mask), out.attn_log_probs, mask, b_t,
+                                    sampled=sampled)
+                if sampled is not None and bool(sampled.any()) and bool(torch.isfinite(loglik).all()):
+                    self.token_baseline.update(word_ll, targets, mask & sampled.unsqueeze(1))
+            else:
+                rl = reinforce_loss(loglik, out.attn_log_probs, mask, self.baseline.value,
+                                    sampled=sampled)
             entropy = entropy_bonus(out.attn_entropy, mask)
             loss = loss + self.hparams.reward_scale * rl - self.hparams.entropy_weight * entropy
             parts.update(reinforce=rl, attn_entropy=entropy / mask.sum(1).float().mean())

@@ -17,10 +17,21 @@ def target_mask(lengths: Tensor, steps: int) -> Tensor:
     return t.unsqueeze(0) < (lengths - 1).unsqueeze(1)
 
 
+def word_log_likelihoods(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """log p(y_t | y_<t, s_≤t, a) per word (B, T), zero on padding."""
+    logp = F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logp * mask
+
+
 def sequence_log_likelihood(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
     """log p(y | a) per caption (B,): Σ_t log p(y_t | ...) over real words only."""
-    logp = F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return (logp * mask).sum(dim=1)
+    return word_log_likelihoods(logits, targets, mask).sum(dim=1)
+
+
+def reward_to_go(rewards: Tensor, mask: Tensor) -> Tensor:
+    """Σ_{t' ≥ t} r_t' per step (B, T), zero on padding."""
+    r = rewards * mask
+    return (r.flip(1).cumsum(1).flip(1)) * mask
 
 
 def masked_cross_entropy(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
@@ -35,23 +46,26 @@ def doubly_stochastic_penalty(alphas: Tensor, mask: Tensor) -> Tensor:
 
 
 def reinforce_loss(
-    log_likelihood: Tensor,
+    reward: Tensor,
     attn_log_probs: Tensor,
     mask: Tensor,
     baseline: Tensor | float,
     *,
     sampled: Tensor | None = None,
 ) -> Tensor:
-    """Surrogate whose gradient is -(log p(y|s̃,a) - b) ∂log p(s̃|a)/∂W, averaged (§4.1, Eq. 12).
+    """Surrogate whose gradient is -(R - b) ∂log p(s̃|a)/∂W, averaged over captions (§4.1, Eq. 12).
 
+    `reward` is per caption (B,), R = log p(y|s̃,a) as in the paper, applied to every step's
+    log α_{t,s̃_t}; or per step (B, T), e.g. the reward-to-go. `baseline` broadcasts against it.
     The advantage is detached, so only the attention log-probabilities carry gradient.
     Captions that used the expected context (`sampled` False) contribute nothing.
     """
-    advantage = (log_likelihood.detach() - baseline)  # (B,)
-    log_p_s = (attn_log_probs * mask).sum(dim=1)  # log p(s̃ | a) = Σ_t log α_{t, s̃_t}
+    advantage = (reward.detach() - baseline)  # (B,) or (B, T)
+    if advantage.dim() == 1:
+        advantage = advantage.unsqueeze(1)
     if sampled is not None:
-        advantage = advantage * sampled.to(advantage.dtype)
-    return -(advantage * log_p_s).mean()
+        advantage = advantage * sampled.to(advantage.dtype).unsqueeze(1)
+    return -(advantage * attn_log_probs * mask).sum(dim=1).mean()  # log p(s̃|a) = Σ_t log α
 
 
 def entropy_bonus(attn_entropy: Tensor, mask: Tensor) -> Tensor:
@@ -76,3 +90,30 @@ class MovingAverageBaseline(nn.Module):
         r = reward.detach().float().mean()
         self.value.mul_(self.momentum).add_((1.0 - self.momentum) * r)
         return self.value
+
+
+class TokenBaseline(nn.Module):
+    """b[v] = m·b[v] + (1 - m)·mean log p(y_t = v | ...) over the batch's words v; b_0 = 0.
+
+    A moving average per target word. It depends on the caption, never on the sampled
+    locations, so R_t − Σ_{t' ≥ t} b[y_t'] stays an unbiased advantage with less variance.
+    """
+
+    def __init__(self, *, vocab_size: int, momentum: float = 0.9) -> None:
+        super().__init__()
+        self.momentum = momentum
+        self.register_buffer("value", torch.zeros(vocab_size))
+
+    def forward(self, targets: Tensor) -> Tensor:
+        """b[y_t] per step (B, T)."""
+        return self.value[targets]
+
+    @torch.no_grad()
+    def update(self, word_rewards: Tensor, targets: Tensor, mask: Tensor) -> None:
+        """Fold in the mean reward of each target word that occurs under `mask`."""
+        tok, r = targets[mask], word_rewards.detach().float()[mask]
+        sums = torch.zeros_like(self.value).index_add_(0, tok, r)
+        counts = torch.zeros_like(self.value).index_add_(0, tok, torch.ones_like(r))
+        seen = counts > 0
+        mean = sums[seen] / counts[seen]
+        self.value[seen] = self.momentum * self.value[seen] + (1.0 - self.momentum) * mean

@@ -1,6 +1,7 @@
 """Training-speed benchmark. Prints one table.
 
     python scripts/benchmark.py                      # CPU: paper-size decoder, mobilenet_v2
+    python scripts/benchmark.py --encoder vgg19      # CPU: paper-size decoder, the paper's CNN
     python scripts/benchmark.py --device cuda --precision bf16-mixed --paper
 
 Rows (each measured in fresh subprocesses, so that peak memory is per row; the training rows
@@ -26,8 +27,9 @@ of the padded (B, T) batches that are padding (the decoder skips them by shrinki
 batch, but without bucketing the batches are padded much more); peak memory, the worker's
 peak RSS (`resource.getrusage`) on CPU or `torch.cuda.max_memory_allocated` on a GPU.
 
-Defaults (CPU): encoder mobilenet_v2 (random weights) at 224 px, frozen; decoder embedding,
-attention and LSTM 512; batch 32. `--paper`: VGG-19 conv5_4 (14x14x512) at 224 px, LSTM 1800,
+Defaults (CPU): encoder mobilenet_v2 (random weights) at 224 px, frozen (7x7x1280 grid), or
+`--encoder vgg19`, the paper's conv5_4 (14x14x512); decoder embedding, attention and LSTM 512;
+batch 32. `--paper`: VGG-19 conv5_4 (14x14x512) at 224 px, LSTM 1800,
 batch 64, and synthetic COCO-like captions (10k-word vocabulary) over the shapes images.
 Everything is written to a temporary folder (or --workdir).
 """
@@ -137,7 +139,7 @@ def _model_config(spec: dict[str, Any], vocab_size: int) -> Any:
                                grid_size=14, image_size=224, embed_dim=512, hidden_dim=1800,
                                attn_dim=512, dropout=0.5, attention=spec["attention"],
                                channels_last=spec["channels_last"])
-    return CaptionerConfig(vocab_size=vocab_size, backbone="mobilenet_v2", weights=None,
+    return CaptionerConfig(vocab_size=vocab_size, backbone=spec["encoder"], weights=None,
                            grid_size=None, image_size=224, embed_dim=512, hidden_dim=512,
                            attn_dim=512, dropout=0.5, attention=spec["attention"],
                            channels_last=spec["channels_last"])
@@ -398,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paper", action="store_true",
                    help="COCO paper configuration: VGG-19 14x14x512, LSTM 1800, batch 64, "
                         "10k-word synthetic COCO captions")
+    p.add_argument("--encoder", default="mobilenet_v2", choices=("mobilenet_v2", "vgg19"),
+                   help="frozen CNN without --paper (default mobilenet_v2)")
     p.add_argument("--batch-size", type=int, default=None, help="default 32 (64 with --paper)")
     p.add_argument("--steps", type=int, default=24, help="timed training steps per row")
     p.add_argument("--rounds", type=int, default=3,
@@ -446,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         root = generate_shapes(work / "shapes", **shapes)
         log.info("shapes data ready in %.0f s", time.perf_counter() - t0)
         base = {"device": args.device, "precision": args.precision, "paper": args.paper,
+                "encoder": args.encoder,
                 "batch_size": batch, "root": str(root),
                 "shapes": {f"shapes_{k}": v for k, v in shapes.items()},
                 "cache_dir": str(work / "features"), "workdir": str(work),
@@ -531,8 +536,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_table(args: argparse.Namespace, batch: int, results: list[tuple[str, dict[str, Any]]],
                  padding: dict[str, Any]) -> None:
+    grid = {"mobilenet_v2": "7x7x1280", "vgg19": "14x14x512"}[args.encoder]
     cfg = ("VGG-19 14x14x512, embed/attn 512, LSTM 1800" if args.paper else
-           "mobilenet_v2 7x7x1280 (random weights), embed/attn/LSTM 512")
+           f"{args.encoder} {grid} (random weights), embed/attn/LSTM 512")
     mem = "peak GPU MB" if args.device.startswith("cuda") else "peak RSS MB"
     print(f"\nmachine: {_machine(args.device, args.threads)}")
     print(f"model: {cfg}, frozen encoder, 224 px, batch {batch}, device {args.device}, "

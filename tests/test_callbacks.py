@@ -92,7 +92,9 @@ def test_offline_wandb_run_gets_strips_and_table(shapes_dm_kwargs: dict, tmp_pat
     pngs = sorted((media / "images").rglob("*.png"))
     strips = [p for p in pngs if "attention_table" not in str(p.relative_to(media))]
     assert len(strips) == 2
-    assert sorted(check_strip(p).shape[1] for p in strips) == expected_widths(cb)
+    # One size for the media list (W&B shows lists of mixed sizes wrongly); panels past a
+    # caption's end are black. The table's overlay cells are cut to their own captions.
+    assert [check_strip(p).shape[1] for p in strips] == [max(expected_widths(cb))] * 2
     tables = list((media / "table").rglob("*.json"))
     assert len(tables) == 1
     table = json.loads(tables[0].read_text())
