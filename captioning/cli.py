@@ -117,6 +117,13 @@ def wandb_dirs(run_dir: str | Path) -> dict[str, str]:
     }
 
 
+# Model settings that only affect decoding and outputs: a checkpoint's stored values give way to
+# the user's (see CaptioningCLI._parse_ckpt_path).
+EVAL_TIME_KEYS = tuple(f"model.{k}" for k in (
+    "eval_strategy", "beam_size", "max_len", "length_penalty", "forbid_unk", "compute_metrics",
+    "results_dir", "compile", "net.hard_decode"))
+
+
 def _lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> Any:
     from lightning.pytorch.cli import LightningCLI
 
@@ -136,10 +143,26 @@ def _lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> Any:
                 self.parser.set_defaults(weights_only=True)
 
         def parse_arguments(self, parser: Any, args: Any) -> None:
+            self._raw_args = args
             super().parse_arguments(parser, args)
             sub = self.config.get("subcommand")
             if sub:  # before Lightning reads the checkpoint's hyperparameters
                 check_checkpoint_file(self.config[sub].get("ckpt_path"))
+
+        def _parse_ckpt_path(self) -> None:
+            # Lightning replaces the model's whole config by the checkpoint's hyperparameters.
+            # Decoding and output settings the user set (in a config file or on the command
+            # line, i.e. away from their defaults) must still win: `--model.beam_size 5` at
+            # test time has to decode with beam 5.
+            sub = self.config.get("subcommand")
+            if not sub:
+                return super()._parse_ckpt_path()
+            given = self.parser.parse_args(self._raw_args, defaults=False)[sub]  # no defaults
+            user = {k: self.config[sub].get(k) for k in EVAL_TIME_KEYS
+                    if given.get(k) is not None}
+            super()._parse_ckpt_path()
+            for k, v in user.items():
+                self.config[sub][k] = v
 
         def instantiate_classes(self) -> None:
             from lightning.fabric.utilities.exceptions import MisconfigurationException

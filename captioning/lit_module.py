@@ -26,8 +26,8 @@ from captioning.losses import (
     entropy_bonus,
     reinforce_loss,
     reward_to_go,
-    word_log_likelihoods,
     target_mask,
+    word_log_likelihoods,
 )
 from captioning.models.captioner import Captioner, CaptionerConfig, Strategy
 from captioning.vocab import Vocabulary

@@ -17,6 +17,7 @@ Uses the session's tiny shapes dataset (conftest) and tiny models (resnet18 with
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import shutil
@@ -412,6 +413,23 @@ def test_cli_sigterm_leaves_a_checkpoint_and_fit_resumes_it(
     assert main(["fit", "--config", str(plain), "--ckpt_path", "last"]) == 0
     checkpoint = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 2 * BATCHES and checkpoint["epoch"] == 2
+
+
+def test_cli_decoding_settings_override_the_checkpoints(shapes_dm_kwargs: dict,
+                                                        cache_dir: Path, tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    cfg = _config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir)
+    assert main(["fit", "--config", str(cfg)]) == 0
+    ckpt = ckpt_dir / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["max_len"] == 6
+    out = tmp_path / "results"
+    # Lightning alone would take compute_metrics False (no decoding), max_len 6 and
+    # results_dir None from the checkpoint.
+    assert main(["test", "--config", str(cfg), "--ckpt_path", str(ckpt), "--model.max_len", "2",
+                 "--model.compute_metrics", "true", "--model.results_dir", str(out)]) == 0
+    captions = json.loads((out / "test_captions.json").read_text())
+    assert captions and max(len(c["caption"].split()) for c in captions) <= 2
+    assert max(len(c["caption"].split()) for c in captions) == 2  # an untrained model rambles
 
 
 def test_cli_ctrl_c_exits_130_naming_the_checkpoint(shapes_dm_kwargs: dict, cache_dir: Path,
