@@ -72,7 +72,7 @@ class CaptioningModule(L.LightningModule):
         reward_scale: float = 0.1,
         entropy_weight: float = 0.002,
         baseline_momentum: float = 0.9,
-        advantage: Literal["sequence", "token"] = "sequence",
+        advantage: Literal["sequence", "token", "expected"] = "sequence",
         eval_strategy: Strategy = "beam",
         beam_size: int = 3,
         max_len: int = 20,
@@ -90,8 +90,9 @@ class CaptioningModule(L.LightningModule):
         self.save_hyperparameters(ignore=["net"])
         self.hparams["net"] = net.to_dict()
         self.captioner = Captioner(net)
-        if advantage not in ("sequence", "token"):
-            raise ValueError(f"advantage must be 'sequence' or 'token', got {advantage!r}")
+        if advantage not in ("sequence", "token", "expected"):
+            raise ValueError(
+                f"advantage must be 'sequence', 'token' or 'expected', got {advantage!r}")
         self.baseline = MovingAverageBaseline(momentum=baseline_momentum)
         if advantage == "token":
             self.token_baseline = TokenBaseline(vocab_size=net.vocab_size,
@@ -240,8 +241,9 @@ class CaptioningModule(L.LightningModule):
 
     # -- training --------------------------------------------------------------------------
     def _losses(self, batch: Any, features: Tensor | None = None) -> dict[str, Tensor]:
-        images = batch.images if features is None else features
-        out = self.captioner(images, batch.captions, batch.lengths)
+        if features is None:
+            features = self.captioner.encode(batch.images)
+        out = self.captioner.decoder(features, batch.captions, batch.lengths)
         T = out.logits.size(1)
         targets = batch.captions[:, 1 : T + 1]
         mask = target_mask(batch.lengths, T)
@@ -258,17 +260,10 @@ class CaptioningModule(L.LightningModule):
         if out.attn_log_probs is not None and out.attn_entropy is not None:
             # Hard attention (§4.1): REINFORCE with a moving-average baseline plus entropy.
             sampled = out.sampled
-            if self.hparams.advantage == "token":
-                # Reward-to-go with a per-word baseline: α_t is credited only with the words it
-                # can still affect, each measured against that word's usual log-likelihood.
-                b_t = reward_to_go(self.token_baseline(targets), mask)
-                rl = reinforce_loss(reward_to_go(word_ll, mask), out.attn_log_probs, mask, b_t,
-                                    sampled=sampled)
-                if sampled is not None and bool(sampled.any()) and bool(torch.isfinite(loglik).all()):
-                    self.token_baseline.update(word_ll, targets, mask & sampled.unsqueeze(1))
-            else:
-                rl = reinforce_loss(loglik, out.attn_log_probs, mask, self.baseline.value,
-                                    sampled=sampled)
+            reward, base = self._reward_and_baseline(word_ll, mask, features, batch, sampled)
+            rl = reinforce_loss(reward, out.attn_log_probs, mask, base, sampled=sampled)
+            if sampled is not None and bool(sampled.any()):  # the whole caption's advantage
+                parts["advantage"] = (reward - base).reshape(len(reward), -1)[sampled, 0].mean()
             entropy = entropy_bonus(out.attn_entropy, mask)
             loss = loss + self.hparams.reward_scale * rl - self.hparams.entropy_weight * entropy
             parts.update(reinforce=rl, attn_entropy=entropy / mask.sum(1).float().mean())
@@ -280,6 +275,47 @@ class CaptioningModule(L.LightningModule):
             parts["baseline"] = self.baseline.value.clone()
         parts["loss"] = loss
         return parts
+
+    def _reward_and_baseline(self, word_ll: Tensor, mask: Tensor, features: Tensor, batch: Any,
+                             sampled: Tensor | None) -> tuple[Tensor, Tensor]:
+        """REINFORCE reward and baseline for the configured `advantage` (§4.1 and variants).
+
+        * sequence (the paper): R = log p(y|s̃,a) for every step, b the moving average;
+        * token: R_t = Σ_{t'≥t} log p(y_t'|...), the reward-to-go (α_t cannot change earlier
+          words), against the same sum of per-word moving averages b[y_t'];
+        * expected: the reward-to-go against that of the same caption decoded with the
+          expected context (a per-caption baseline, one extra forward pass without gradient).
+
+        Every baseline is independent of the sampled locations, so each estimator is unbiased.
+        """
+        targets = batch.captions[:, 1 : mask.size(1) + 1]
+        kind = self.hparams.advantage
+        if kind == "sequence":
+            return word_ll.sum(dim=1), self.baseline.value
+        reward = reward_to_go(word_ll, mask)
+        if kind == "token":
+            base = reward_to_go(self.token_baseline(targets), mask)
+            if sampled is not None and bool(sampled.any()) and bool(torch.isfinite(word_ll).all()):
+                self.token_baseline.update(word_ll, targets, mask & sampled.unsqueeze(1))
+            return reward, base
+        ref = self._expected_word_ll(features, batch, sampled, mask.size(1))
+        return reward, reward_to_go(ref, mask)
+
+    @torch.no_grad()
+    def _expected_word_ll(self, features: Tensor, batch: Any, rows: Tensor | None,
+                          steps: int) -> Tensor:
+        """(B, steps) word log-likelihoods of `rows` (all if None) with the expected context."""
+        B = batch.captions.size(0)
+        idx = torch.arange(B, device=features.device) if rows is None else rows.nonzero()[:, 0]
+        ll = features.new_zeros(B, steps, dtype=torch.float32)
+        if idx.numel() == 0:
+            return ll
+        caps, lengths = batch.captions[idx], batch.lengths[idx]
+        ref = self.captioner.decoder(features[idx], caps, lengths, rule="expected")
+        t = ref.logits.size(1)
+        ll[idx, :t] = word_log_likelihoods(ref.logits, caps[:, 1 : t + 1],
+                                           target_mask(lengths, t))
+        return ll
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         try:

@@ -93,16 +93,19 @@ class MovingAverageBaseline(nn.Module):
 
 
 class TokenBaseline(nn.Module):
-    """b[v] = m·b[v] + (1 - m)·mean log p(y_t = v | ...) over the batch's words v; b_0 = 0.
+    """b[v] = m·b[v] + (1 - m)·mean log p(y_t = v | ...) over the batch's words v.
 
-    A moving average per target word. It depends on the caption, never on the sampled
-    locations, so R_t − Σ_{t' ≥ t} b[y_t'] stays an unbiased advantage with less variance.
+    A moving average per target word, set to its first batch mean the first time the word is
+    seen (a zero start would make every early advantage a large negative number). It depends on
+    the caption, never on the sampled locations, so R_t − Σ_{t' ≥ t} b[y_t'] stays an unbiased
+    advantage with less variance.
     """
 
     def __init__(self, *, vocab_size: int, momentum: float = 0.9) -> None:
         super().__init__()
         self.momentum = momentum
         self.register_buffer("value", torch.zeros(vocab_size))
+        self.register_buffer("seen", torch.zeros(vocab_size, dtype=torch.bool))
 
     def forward(self, targets: Tensor) -> Tensor:
         """b[y_t] per step (B, T)."""
@@ -114,6 +117,8 @@ class TokenBaseline(nn.Module):
         tok, r = targets[mask], word_rewards.detach().float()[mask]
         sums = torch.zeros_like(self.value).index_add_(0, tok, r)
         counts = torch.zeros_like(self.value).index_add_(0, tok, torch.ones_like(r))
-        seen = counts > 0
-        mean = sums[seen] / counts[seen]
-        self.value[seen] = self.momentum * self.value[seen] + (1.0 - self.momentum) * mean
+        now = counts > 0
+        mean = sums / counts.clamp_min(1)
+        m = torch.where(self.seen, self.momentum, 0.0)  # first sight: take the batch mean
+        self.value.copy_(torch.where(now, m * self.value + (1.0 - m) * mean, self.value))
+        self.seen |= now

@@ -203,12 +203,15 @@ def test_token_baseline_update_rule() -> None:
     rewards = torch.tensor([[-1.0, -2.0, -3.0], [-5.0, -7.0, -9.0]], requires_grad=True)
     mask = torch.tensor([[True, True, True], [True, False, False]])
     b.update(rewards, targets, mask)
-    # word 3: mean(−1, −3, −5) = −3; word 4: −2; words 5 and 1 only under padding: unchanged.
-    assert b.value.tolist() == pytest.approx([0.0, 0.0, 0.0, -0.3, -0.2, 0.0])
-    b.update(rewards, targets, mask)
-    assert b.value[3].item() == pytest.approx(0.9 * -0.3 + 0.1 * -3.0)
+    # First sight takes the batch mean: word 3 mean(−1, −3, −5) = −3, word 4 −2; words 5 and 1
+    # occur only under padding: unchanged and still unseen.
+    assert b.value.tolist() == pytest.approx([0.0, 0.0, 0.0, -3.0, -2.0, 0.0])
+    assert b.seen.tolist() == [False, False, False, True, True, False]
+    b.update(torch.full((2, 3), -1.0), targets, torch.ones(2, 3, dtype=torch.bool))
+    # Then the moving average: word 3 0.9·(−3) + 0.1·(−1); word 5 and 1 seen for the first time.
+    assert b.value.tolist() == pytest.approx([0.0, -1.0, 0.0, -2.8, -1.9, -1.0])
     assert b(targets).shape == (2, 3) and b(targets)[0, 1].item() == pytest.approx(b.value[4])
-    assert list(b.parameters()) == [] and "value" in b.state_dict()
+    assert list(b.parameters()) == [] and set(b.state_dict()) == {"value", "seen"}
 
 
 def test_token_advantage_is_saved_with_the_module() -> None:
@@ -452,7 +455,7 @@ def test_peaked_attention_gives_finite_log_probs_and_entropy() -> None:
     assert logp.min() >= torch.log(torch.tensor(1e-8))
 
 
-@pytest.mark.parametrize("advantage", ["sequence", "token"])
+@pytest.mark.parametrize("advantage", ["sequence", "token", "expected"])
 def test_hard_training_with_extreme_inputs_stays_finite(advantage: str) -> None:
     torch.manual_seed(10)
     module = CaptioningModule(net=CaptionerConfig(
@@ -475,3 +478,28 @@ def test_hard_training_with_extreme_inputs_stays_finite(advantage: str) -> None:
         b = module.token_baseline.value
         assert torch.isfinite(b).all() and bool((b[[END, *range(4, V)]] < 0).all())
         assert bool((b[[PAD, START, 3]] == 0).all())  # never a target
+
+
+def test_expected_context_baseline_scores_the_sampled_captions_without_gradient() -> None:
+    torch.manual_seed(11)
+    module = CaptioningModule(net=CaptionerConfig(
+        vocab_size=V, backbone="resnet18", grid_size=None, embed_dim=16, hidden_dim=16,
+        attn_dim=16, dropout=0.0, attention="hard"), advantage="expected").train()
+    feats, caps, lengths = random_batch(6, seed=11)
+    feats = torch.randn(6, L, 512)
+    batch = SimpleNamespace(images=feats, captions=caps, lengths=lengths)
+    rows = torch.tensor([True, False, True, True, False, False])
+    T = int(lengths.max()) - 1
+    ll = module._expected_word_ll(feats, batch, rows, T)
+    assert ll.shape == (6, T) and not ll.requires_grad
+    assert bool((ll[~rows] == 0).all())
+    dec = module.captioner.decoder
+    ref = dec(feats, caps, lengths, rule="expected")  # deterministic: dropout 0, no sampling
+    mask = target_mask(lengths, T)
+    expected = (F.log_softmax(ref.logits, -1).gather(-1, caps[:, 1:T + 1, None])[..., 0]) * mask
+    torch.testing.assert_close(ll[rows], expected[rows])
+    assert bool((ll[rows][mask[rows]] < 0).all())
+    # The training loss runs with it and the scorer learns (REINFORCE + entropy only).
+    parts = module._losses(batch, feats)
+    parts["loss"].backward()
+    assert all(p.grad is not None and bool(p.grad.any()) for p in dec.attention.parameters())

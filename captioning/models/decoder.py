@@ -167,8 +167,13 @@ class AttentionLSTMDecoder(nn.Module):
         return coin.expand(batch) if n == 1 else coin
 
     # -- teacher forcing -------------------------------------------------------------------
-    def forward(self, features: Tensor, captions: Tensor, lengths: Tensor) -> DecoderOutput:
-        """features (B, L, D); captions (B, T+1) starting with <start>; lengths (B,) incl. specials."""
+    def forward(self, features: Tensor, captions: Tensor, lengths: Tensor, *,
+                rule: WeightRule | None = None) -> DecoderOutput:
+        """features (B, L, D); captions (B, T+1) starting with <start>; lengths (B,) incl. specials.
+
+        `rule` forces one weight rule for every caption (no semi-sampling); by default soft
+        uses the expected context, and hard samples while training and decodes otherwise.
+        """
         steps = (lengths - 1).clamp_min(0)  # words to predict per caption
         steps_cpu = steps.tolist()
         order = sorted(range(len(steps_cpu)), key=lambda i: -steps_cpu[i])
@@ -184,7 +189,7 @@ class AttentionLSTMDecoder(nn.Module):
         state = self.init_state(memory)
         h, c = state.h, state.c
         emb = self.embed(captions[:, :T])  # (B, T, E): inputs y_0 .. y_{T-1}
-        rule, semi = self._training_rule()
+        rule, semi = self._training_rule() if rule is None else (rule, False)
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
 
         # Per-step outputs are collected in lists and padded once: writing into preallocated
