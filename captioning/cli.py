@@ -124,6 +124,34 @@ EVAL_TIME_KEYS = tuple(f"model.{k}" for k in (
     "results_dir", "compile", "net.hard_decode"))
 
 
+def _given(args: Sequence[str], key: str) -> bool:
+    """Whether `key` (e.g. "model.beam_size") is set by a flag or a config file in `args`."""
+    group, _, rest = key.partition(".")
+    for i, a in enumerate(args):
+        if a == f"--{key}" or a.startswith(f"--{key}="):
+            return True
+        files = {"--config": key, f"--{group}": rest}
+        if a in files and i + 1 < len(args) and _yaml_has(args[i + 1], files[a]):
+            return True
+    return False
+
+
+def _yaml_has(path: str, key: str) -> bool:
+    import yaml
+
+    try:
+        node: Any = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    for part in key.split("."):
+        if isinstance(node, dict) and part not in node and isinstance(node.get("init_args"), dict):
+            node = node["init_args"]  # class_path / init_args form
+        if not isinstance(node, dict) or node.get(part) is None:
+            return False
+        node = node[part]
+    return True
+
+
 def _lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> Any:
     from lightning.pytorch.cli import LightningCLI
 
@@ -155,11 +183,10 @@ def _lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> Any:
             # line, i.e. away from their defaults) must still win: `--model.beam_size 5` at
             # test time has to decode with beam 5.
             sub = self.config.get("subcommand")
-            if not sub:
+            if not sub or not self.config[sub].get("ckpt_path"):
                 return super()._parse_ckpt_path()
-            given = self.parser.parse_args(self._raw_args, defaults=False)[sub]  # no defaults
-            user = {k: self.config[sub].get(k) for k in EVAL_TIME_KEYS
-                    if given.get(k) is not None}
+            raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
+            user = {k: self.config[sub].get(k) for k in EVAL_TIME_KEYS if _given(raw, k)}
             super()._parse_ckpt_path()
             for k, v in user.items():
                 self.config[sub][k] = v

@@ -239,6 +239,13 @@ class CaptioningModule(L.LightningModule):
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=self.global_step)
 
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Cached grids travel as float16 (half the bytes); compute starts from float32."""
+        images = getattr(batch, "images", None)
+        if isinstance(images, Tensor) and images.dim() == 3 and images.dtype == torch.float16:
+            batch.images = images.float()
+        return batch
+
     # -- training --------------------------------------------------------------------------
     def _losses(self, batch: Any, features: Tensor | None = None) -> dict[str, Tensor]:
         if features is None:

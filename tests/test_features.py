@@ -72,7 +72,25 @@ def test_same_inputs_hit_the_cache(images: list[Path], tmp_path: Path,
     assert again.array_path == first.array_path
     ref = CNNEncoder.forward(enc, build_image_transform(S)(
         Image.open(images[2]).convert("RGB"))[None])  # the real forward, bypassing the patch
-    torch.testing.assert_close(again[images[2]], ref[0], atol=2e-2, rtol=1e-2)  # float16 grid
+    grid = again[images[2]]
+    assert grid.dtype == torch.float16  # stays float16 until the module casts it on the device
+    torch.testing.assert_close(grid.float(), ref[0], atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(again[str(images[2])], grid)  # same row by str or Path
+
+
+def test_module_casts_float16_grids_after_the_transfer() -> None:
+    from types import SimpleNamespace
+
+    from captioning.lit_module import CaptioningModule
+    from captioning.models import CaptionerConfig
+
+    module = CaptioningModule(net=CaptionerConfig(vocab_size=8, backbone="resnet18",
+                                                  embed_dim=8, hidden_dim=8, attn_dim=8))
+    grids = torch.randn(2, 4, 512).half()
+    out = module.on_after_batch_transfer(SimpleNamespace(images=grids), 0)
+    assert out.images.dtype == torch.float32 and torch.equal(out.images, grids.float())
+    pixels = torch.randn(2, 3, 8, 8)
+    assert module.on_after_batch_transfer(SimpleNamespace(images=pixels), 0).images is pixels
 
 
 @pytest.mark.parametrize("change", ["image_file", "image_size", "encoder_config"])

@@ -692,3 +692,19 @@ def test_header_check_decodes_no_pixels(tmp_path: Path,
     monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
     assert check_image(png) == (300, 200)
     assert check_image(jpg) == (20, 40)  # orientation 6: width and height swap
+
+
+def test_user_given_settings_are_found_in_flags_and_config_files(tmp_path: Path) -> None:
+    from captioning.cli import _given
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"beam_size": 5, "net": {"hard_decode": "argmax"}}}))
+    model = tmp_path / "m.yaml"
+    model.write_text(yaml.safe_dump({"init_args": {"max_len": 9}}))
+    args = ["test", "--config", str(cfg), "--model", str(model), "--model.length_penalty=0.5",
+            "--model.results_dir", "out"]
+    assert _given(args, "model.beam_size") and _given(args, "model.net.hard_decode")
+    assert _given(args, "model.max_len") and _given(args, "model.length_penalty")
+    assert _given(args, "model.results_dir")
+    assert not _given(args, "model.eval_strategy") and not _given(args, "model.forbid_unk")
+    assert not _given(["test", "--config", str(tmp_path / "missing.yaml")], "model.beam_size")

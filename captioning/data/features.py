@@ -52,12 +52,17 @@ class _Images(Dataset):
 
 
 class FeatureCache:
-    """Read-only view of a built cache: `cache[path] -> (L, D) float32 tensor`."""
+    """Read-only view of a built cache: `cache[path] -> (L, D) float16 tensor`.
+
+    Grids stay float16 through loading, collation and the host-to-device copy (half the bytes);
+    the LightningModule casts them after the transfer.
+    """
 
     def __init__(self, array_path: str | Path, index: dict[str, int]) -> None:
         self.array_path = Path(array_path)
         self.index = index
         self._array: np.ndarray | None = None  # opened lazily, once per process
+        self._rows: dict[str, int] = {}  # path as given -> row, so each path resolves once
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -82,8 +87,11 @@ class FeatureCache:
         return str(Path(path).resolve()) in self.index
 
     def __getitem__(self, path: str | Path) -> Tensor:
-        row = self.index[str(Path(path).resolve())]
-        return torch.from_numpy(np.asarray(self.array[row], dtype=np.float32))
+        key = str(path)
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = self.index[str(Path(path).resolve())]
+        return torch.from_numpy(np.array(self.array[row]))  # a float16 copy out of the map
 
     @classmethod
     def open(cls, cache_dir: str | Path, key: str) -> FeatureCache | None:
