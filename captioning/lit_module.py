@@ -251,10 +251,7 @@ class CaptioningModule(L.LightningModule):
         if features is None:
             features = self.captioner.encode(batch.images)
         out = self.captioner.decoder(features, batch.captions, batch.lengths)
-        T = out.logits.size(1)
-        targets = batch.captions[:, 1 : T + 1]
-        mask = target_mask(batch.lengths, T)
-        word_ll = word_log_likelihoods(out.logits, targets, mask)  # (B, T)
+        word_ll, mask = _caption_word_ll(out.logits, batch.captions, batch.lengths)  # (B, T)
         loglik = word_ll.sum(dim=1)  # (B,) log p(y | s̃, a)
         nll = -loglik.mean()
         penalty = doubly_stochastic_penalty(out.alphas, mask)
@@ -269,12 +266,12 @@ class CaptioningModule(L.LightningModule):
             sampled = out.sampled
             reward, base = self._reward_and_baseline(word_ll, mask, features, batch, sampled)
             rl = reinforce_loss(reward, out.attn_log_probs, mask, base, sampled=sampled)
-            if sampled is not None and bool(sampled.any()):  # the whole caption's advantage
-                parts["advantage"] = (reward - base).reshape(len(reward), -1)[sampled, 0].mean()
             entropy = entropy_bonus(out.attn_entropy, mask)
             loss = loss + self.hparams.reward_scale * rl - self.hparams.entropy_weight * entropy
             parts.update(reinforce=rl, attn_entropy=entropy / mask.sum(1).float().mean())
             if sampled is not None and bool(sampled.any()):
+                # the whole caption's advantage (step 0 of a reward-to-go)
+                parts["advantage"] = (reward - base).reshape(len(reward), -1)[sampled, 0].mean()
                 reward = loglik[sampled]
                 parts["reward"] = reward.mean()
                 if bool(torch.isfinite(parts["reward"])):  # a NaN step must not poison b
@@ -295,15 +292,15 @@ class CaptioningModule(L.LightningModule):
 
         Every baseline is independent of the sampled locations, so each estimator is unbiased.
         """
-        targets = batch.captions[:, 1 : mask.size(1) + 1]
         kind = self.hparams.advantage
         if kind == "sequence":
             return word_ll.sum(dim=1), self.baseline.value
         reward = reward_to_go(word_ll, mask)
         if kind == "token":
+            targets = batch.captions[:, 1 : mask.size(1) + 1]
             base = reward_to_go(self.token_baseline(targets), mask)
-            if sampled is not None and bool(sampled.any()) and bool(torch.isfinite(word_ll).all()):
-                self.token_baseline.update(word_ll, targets, mask & sampled.unsqueeze(1))
+            used = mask if sampled is None else mask & sampled.unsqueeze(1)
+            self.token_baseline.update(word_ll, targets, used)
             return reward, base
         ref = self._expected_word_ll(features, batch, sampled, mask.size(1))
         return reward, reward_to_go(ref, mask)
@@ -319,9 +316,8 @@ class CaptioningModule(L.LightningModule):
             return ll
         caps, lengths = batch.captions[idx], batch.lengths[idx]
         ref = self.captioner.decoder(features[idx], caps, lengths, rule="expected")
-        t = ref.logits.size(1)
-        ll[idx, :t] = word_log_likelihoods(ref.logits, caps[:, 1 : t + 1],
-                                           target_mask(lengths, t))
+        ref_ll, _ = _caption_word_ll(ref.logits, caps, lengths)
+        ll[idx, : ref_ll.size(1)] = ref_ll
         return ll
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -499,6 +495,13 @@ class CaptioningModule(L.LightningModule):
         (folder / f"{split}_metrics.json").write_text(json.dumps(results.metrics, indent=2))
         log.info("wrote %s and %s", folder / f"{split}_captions.json", folder / f"{split}_metrics.json")
         return folder
+
+
+def _caption_word_ll(logits: Tensor, captions: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """Teacher-forced (B, T) word log-likelihoods of `captions` and the (B, T) real-word mask."""
+    T = logits.size(1)
+    mask = target_mask(lengths, T)
+    return word_log_likelihoods(logits, captions[:, 1 : T + 1], mask), mask
 
 
 def rng_states() -> dict[str, Any]:

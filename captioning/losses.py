@@ -30,8 +30,7 @@ def sequence_log_likelihood(logits: Tensor, targets: Tensor, mask: Tensor) -> Te
 
 def reward_to_go(rewards: Tensor, mask: Tensor) -> Tensor:
     """Σ_{t' ≥ t} r_t' per step (B, T), zero on padding."""
-    r = rewards * mask
-    return (r.flip(1).cumsum(1).flip(1)) * mask
+    return (rewards * mask).flip(1).cumsum(1).flip(1)  # padding trails, so it sums to zero
 
 
 def masked_cross_entropy(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
@@ -113,8 +112,10 @@ class TokenBaseline(nn.Module):
 
     @torch.no_grad()
     def update(self, word_rewards: Tensor, targets: Tensor, mask: Tensor) -> None:
-        """Fold in the mean reward of each target word that occurs under `mask`."""
-        tok, r = targets[mask], word_rewards.detach().float()[mask]
+        """Fold in the mean reward of each target word under `mask` (non-finite ones skipped)."""
+        r = word_rewards.detach().float()
+        mask = mask & torch.isfinite(r)  # a NaN step must not poison b
+        tok, r = targets[mask], r[mask]
         sums = torch.zeros_like(self.value).index_add_(0, tok, r)
         counts = torch.zeros_like(self.value).index_add_(0, tok, torch.ones_like(r))
         now = counts > 0

@@ -115,3 +115,22 @@ def _write_coco(path: Path, images: Sequence[tuple[Any, str]],
 def write_coco() -> Callable[..., Path]:
     """write_coco(path, images=[(id, file_name)], captions=[(image_id, caption)]) -> path."""
     return _write_coco
+
+
+@pytest.fixture
+def tiny_fit() -> Callable[..., Any]:
+    """fit(dm, module, root, *, callbacks, logger=False, train_batches=2, sanity_steps=0): a
+    short CPU `Trainer.fit` (1 epoch, 1 val batch, no checkpoints); returns the trainer."""
+    import lightning.pytorch as L
+
+    def fit(dm: Any, module: Any, root: Path, *, callbacks: Sequence[Any] = (),
+            logger: Any = False, train_batches: int = 2, sanity_steps: int = 0) -> Any:
+        trainer = L.Trainer(max_epochs=1, limit_train_batches=train_batches,
+                            limit_val_batches=1, num_sanity_val_steps=sanity_steps,
+                            logger=logger, callbacks=list(callbacks), enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            accelerator="cpu", devices=1, default_root_dir=str(root))
+        trainer.fit(module, datamodule=dm)
+        return trainer
+
+    return fit

@@ -7,7 +7,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import lightning.pytorch as L
 import numpy as np
 import pytest
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
@@ -37,17 +36,6 @@ def make_module(dm: CaptionDataModule, attention: str = "soft") -> CaptioningMod
                             eval_strategy="greedy", max_len=8)
 
 
-def fit(dm: CaptionDataModule, module: CaptioningModule, logger: Any,
-        callback: AttentionOverlayCallback, root: Path) -> L.Trainer:
-    trainer = L.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1,
-                        num_sanity_val_steps=1, logger=logger, callbacks=[callback],
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", devices=1,
-                        default_root_dir=str(root))
-    trainer.fit(module, datamodule=dm)
-    return trainer
-
-
 def expected_widths(cb: AttentionOverlayCallback) -> list[int]:
     return sorted((len(w) + 1) * S for w in cb.last_words.values())
 
@@ -63,6 +51,7 @@ def check_strip(path: Path) -> np.ndarray:
 
 @pytest.mark.parametrize(("feature_cache", "attention"), [(True, "soft"), (False, "hard")])
 def test_offline_wandb_run_gets_strips_and_table(shapes_dm_kwargs: dict, tmp_path: Path,
+                                                 tiny_fit: Any,
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  feature_cache: bool, attention: str) -> None:
     import wandb
@@ -77,7 +66,7 @@ def test_offline_wandb_run_gets_strips_and_table(shapes_dm_kwargs: dict, tmp_pat
     cb = AttentionOverlayCallback(num_images=2)
     logger = WandbLogger(offline=True, save_dir=str(tmp_path), project="test")
     try:
-        fit(dm, module, logger, cb, tmp_path)
+        tiny_fit(dm, module, tmp_path, callbacks=[cb], logger=logger, sanity_steps=1)
     finally:
         wandb.finish()
 
@@ -109,10 +98,12 @@ def test_offline_wandb_run_gets_strips_and_table(shapes_dm_kwargs: dict, tmp_pat
     assert all(np.asarray(Image.open(p)).max() > 0 for p in staged)
 
 
-def test_without_wandb_pngs_go_to_the_log_dir(shapes_dm_kwargs: dict, tmp_path: Path) -> None:
+def test_without_wandb_pngs_go_to_the_log_dir(shapes_dm_kwargs: dict, tmp_path: Path,
+                                              tiny_fit: Any) -> None:
     dm = make_dm(shapes_dm_kwargs, tmp_path, feature_cache=True)
     cb = AttentionOverlayCallback(num_images=2, upsample="gaussian")
-    trainer = fit(dm, make_module(dm), CSVLogger(str(tmp_path), name="csv"), cb, tmp_path)
+    trainer = tiny_fit(dm, make_module(dm), tmp_path, callbacks=[cb],
+                       logger=CSVLogger(str(tmp_path), name="csv"), sanity_steps=1)
     folder = Path(trainer.log_dir) / "overlays" / "epoch_00"
     pngs = sorted(folder.glob("*.png"))
     assert pngs == sorted(cb.last_paths) and len(pngs) == 2

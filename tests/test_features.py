@@ -36,11 +36,12 @@ def _encoder() -> CNNEncoder:
 
 
 def _build(cache_dir: Path, encoder: torch.nn.Module, paths: list[Path], *,
-           image_size: int = S, key: dict[str, Any] | None = None) -> FeatureCache:
+           image_size: int = S, key: dict[str, Any] | None = None,
+           progress: bool = False) -> FeatureCache:
     return FeatureCache.build(
         cache_dir=cache_dir, encoder=encoder, encoder_config=key or {"backbone": "resnet18"},
         image_size=image_size, paths=paths, transform=build_image_transform(image_size),
-        batch_size=4, device="cpu", progress=False)
+        batch_size=4, device="cpu", progress=progress)
 
 
 def _forbid(encoder: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,6 +77,15 @@ def test_same_inputs_hit_the_cache(images: list[Path], tmp_path: Path,
     assert grid.dtype == torch.float16  # stays float16 until the module casts it on the device
     torch.testing.assert_close(grid.float(), ref[0], atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(again[str(images[2])], grid)  # same row by str or Path
+
+
+def test_building_shows_a_progress_bar(images: list[Path], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    _build(tmp_path / "f", _encoder(), images, progress=True)
+    err = capsys.readouterr().err
+    assert "caching encoder features" in err and f"{len(images)}/{len(images)}" in err
+    _build(tmp_path / "f", _encoder(), images, progress=True)  # a hit: nothing to show
+    assert "caching encoder features" not in capsys.readouterr().err
 
 
 def test_module_casts_float16_grids_after_the_transfer() -> None:
@@ -178,30 +188,26 @@ class _CountCNN(L.Callback):
         self.input_dims.add(batch.images.dim())
 
 
-def _fit(dm: CaptionDataModule, module: CaptioningModule, cb: L.Callback, root: Path) -> None:
-    trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=1,
-                        num_sanity_val_steps=0, logger=False, callbacks=[cb],
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", devices=1,
-                        default_root_dir=str(root))
-    trainer.fit(module, datamodule=dm)
 
 
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_frozen_encoder_training_never_runs_the_cnn(shapes_dm_kwargs: dict, tmp_path: Path,
+                                                    tiny_fit: Any,
                                                     attention: str) -> None:
     dm = CaptionDataModule(**{**shapes_dm_kwargs, "feature_cache": True,
                               "cache_dir": str(tmp_path / "features")})
     cb = _CountCNN(forbid=True)
-    _fit(dm, _module(dm, finetune=False, attention=attention), cb, tmp_path)
+    tiny_fit(dm, _module(dm, finetune=False, attention=attention), tmp_path, callbacks=[cb],
+             train_batches=3)
     assert cb.batches == 3 and cb.calls == 0 and cb.input_dims == {3}  # (B, L, D) grids
 
 
-def test_finetuning_runs_the_cnn_every_batch(shapes_dm_kwargs: dict, tmp_path: Path) -> None:
+def test_finetuning_runs_the_cnn_every_batch(shapes_dm_kwargs: dict, tmp_path: Path,
+                                             tiny_fit: Any) -> None:
     dm = CaptionDataModule(**{**shapes_dm_kwargs, "feature_cache": True,
                               "cache_dir": str(tmp_path / "features")})
     cb = _CountCNN(forbid=False)
-    _fit(dm, _module(dm, finetune=True), cb, tmp_path)
+    tiny_fit(dm, _module(dm, finetune=True), tmp_path, callbacks=[cb], train_batches=3)
     assert not (tmp_path / "features").exists()  # nothing cached
     assert cb.input_dims == {4}  # images
     assert cb.calls == cb.batches + 1  # every train batch, plus the one validation batch

@@ -63,6 +63,12 @@ def log_likelihood(out, caps: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
 # gradient of reinforce_loss is −(R − b)∇log p(s), so its mean must approach −∇J.
 TOY_L = 3
 R_TABLE = torch.tensor([[-0.5, -2.0, -1.0], [-3.0, -0.2, -1.5], [-1.0, -1.2, -4.0]])
+# Reward-to-go (the "token" and "expected" advantages): word rewards r_1 = R1[s1] and
+# r_2 = R_TABLE − R1 (so the caption reward is unchanged, and word 2 depends on both locations,
+# word 1 on s1 only: causal, as in the decoder).
+# α_1 gets (r_1 + r_2) − (b_1 + b_2) and α_2 gets r_2 − b_2: still an unbiased estimate of −∇J,
+# for any per-step baselines that do not depend on the sampled locations.
+R1 = torch.tensor([-0.3, -1.1, -0.6])
 
 
 def toy_params() -> tuple[Tensor, Tensor, Tensor]:
@@ -82,11 +88,14 @@ def exact_gradient(baseline: float) -> Tensor:
     return torch.cat([g.flatten() for g in grads])
 
 
-def per_sample_gradients(baseline: float, n: int, seed: int) -> Tensor:
+def per_sample_gradients(baseline: float, n: int, seed: int, *,
+                         word_baselines: tuple[float, float] | None = None) -> Tensor:
     """(n, 15) gradients of reinforce_loss per sample; their mean is the MC gradient.
 
     Each sample gets its own copy of the parameters, so the gradient of the batch-mean surrogate
     w.r.t. copy i is g_i / n. The locations are drawn by the project's select(rule="sample").
+    With `word_baselines`, the reward is the reward-to-go of the word rewards (see R1 below)
+    against the reward-to-go of those per-step baselines, instead of R − `baseline`.
     """
     t1, t2, w = toy_params()
     t1 = t1.expand(n, TOY_L).clone().requires_grad_()
@@ -98,7 +107,13 @@ def per_sample_gradients(baseline: float, n: int, seed: int) -> Tensor:
     loglik = R_TABLE[sel1.location, sel2.location]  # log p(y | s̃, a), (n,)
     log_probs = torch.stack([sel1.log_prob, sel2.log_prob], dim=1)  # (n, T)
     mask = torch.ones(n, 2, dtype=torch.bool)
-    loss = reinforce_loss(loglik, log_probs, mask, torch.tensor(baseline))
+    if word_baselines is None:
+        loss = reinforce_loss(loglik, log_probs, mask, torch.tensor(baseline))
+    else:
+        r1 = R1[sel1.location]
+        words = torch.stack([r1, loglik - r1], dim=1)  # (n, 2) word rewards, summing to R
+        base = reward_to_go(torch.tensor(word_baselines).expand(n, 2), mask)
+        loss = reinforce_loss(reward_to_go(words, mask), log_probs, mask, base)
     grads = torch.autograd.grad(loss, (t1, t2, w))
     return torch.cat([g.reshape(n, -1) for g in grads], dim=1) * n
 
@@ -155,34 +170,9 @@ def test_reinforce_gradient_ignores_the_baseline_in_expectation() -> None:
     assert g1.var(0).sum() < 0.5 * g0.var(0).sum()
 
 
-# The "token" advantage: word rewards r_1 = R1[s1], r_2 = R_TABLE − R1 (so the caption reward is
-# unchanged and word 2 depends on both locations, word 1 on s1 only: causal, as in the decoder).
-# α_1 gets (r_1 + r_2) − (b_1 + b_2) and α_2 gets r_2 − b_2: still an unbiased estimate of −∇J,
-# for any per-step baselines that do not depend on the sampled locations.
-R1 = torch.tensor([-0.3, -1.1, -0.6])
-
-
-def per_sample_token_gradients(b_words: tuple[float, float], n: int, seed: int) -> Tensor:
-    t1, t2, w = toy_params()
-    t1 = t1.expand(n, TOY_L).clone().requires_grad_()
-    t2 = t2.expand(n, TOY_L).clone().requires_grad_()
-    w = w.expand(n, TOY_L, TOY_L).clone().requires_grad_()
-    torch.manual_seed(seed)
-    sel1 = select(t1, "sample")
-    sel2 = select(t2 + w[torch.arange(n), sel1.location], "sample")
-    r1 = R1[sel1.location]
-    words = torch.stack([r1, R_TABLE[sel1.location, sel2.location] - r1], dim=1)  # (n, 2)
-    mask = torch.ones(n, 2, dtype=torch.bool)
-    base = torch.tensor(b_words).expand(n, 2)
-    log_probs = torch.stack([sel1.log_prob, sel2.log_prob], dim=1)
-    loss = reinforce_loss(reward_to_go(words, mask), log_probs, mask, reward_to_go(base, mask))
-    grads = torch.autograd.grad(loss, (t1, t2, w))
-    return torch.cat([g.reshape(n, -1) for g in grads], dim=1) * n
-
-
 def test_reward_to_go_with_word_baselines_is_unbiased() -> None:
     exact = exact_gradient(0.0)
-    g = per_sample_token_gradients((-0.6, -0.7), N_MC, seed=5)
+    g = per_sample_gradients(0.0, N_MC, seed=5, word_baselines=(-0.6, -0.7))
     mean, se = g.mean(0), g.std(0) / N_MC**0.5
     assert torch.all((mean - (-exact)).abs() <= N_SE * se), (mean, -exact, se)
     # Against the paper's estimator with its best constant baseline on the same samples, the
