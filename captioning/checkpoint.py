@@ -1,4 +1,5 @@
-"""Load a trained captioner from a checkpoint, safely and without Lightning.
+"""Checkpoints: key names, the safe reader, fit checks, RNG state, key maps for older files,
+and loading a trained captioner without Lightning.
 
 Both the Lightning checkpoints written by training and the small inference files written by
 `save_inference_checkpoint` are read with `torch.load(weights_only=True)`: only tensors and
@@ -6,6 +7,9 @@ plain data are unpickled, and a file whose pickle would import or call anything 
 refused before any of it runs. The vocabulary and the model config stored in the checkpoint
 rebuild the model; the backbone is built without pretrained weights (no download), since
 every weight comes from the checkpoint's state dict.
+
+Files written before the decoding settings moved into `decode:` and the REINFORCE baselines
+into the objective are read through `upgrade`, which maps their keys to today's.
 """
 
 from __future__ import annotations
@@ -13,27 +17,38 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import random
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from captioning.models.captioner import Captioner, CaptionerConfig
+from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 
-#: Checkpoint keys written by `CaptioningModule.on_save_checkpoint` (same strings).
+#: Keys the LightningModule adds to every checkpoint it saves.
 CHECKPOINT_VOCAB_KEY = "captioning_vocab"
 CHECKPOINT_CONFIG_KEY = "captioning_model_config"
+CHECKPOINT_RNG_KEY = "captioning_rng_states"
 #: Prefix of the captioner's weights in the checkpoint's "state_dict".
 STATE_PREFIX = "captioner."
-#: Decoding settings read from the checkpoint's "hyper_parameters", with their defaults.
-DECODE_DEFAULTS: dict[str, Any] = {"eval_strategy": "beam", "beam_size": 3, "max_len": 20,
-                                   "length_penalty": 0.0, "forbid_unk": False}
 INFERENCE_FORMAT = "captioning-inference"
+#: `ckpt_path` values Lightning resolves itself (not file paths).
+SPECIAL_CKPT_PATHS = frozenset({"last", "best", "hpc", "registry"})
+
+#: Older flat decoding hyperparameters -> fields of `DecodeConfig` (hyper_parameters["decode"]).
+LEGACY_DECODE_KEYS = {"eval_strategy": "strategy", "beam_size": "beam_size",
+                      "max_len": "max_len", "length_penalty": "length_penalty",
+                      "forbid_unk": "forbid_unk"}
+#: Older state_dict prefixes -> today's (the REINFORCE baselines moved into the objective).
+STATE_KEY_MAP = {"baseline.": "objective.baseline.",
+                 "token_baseline.": "objective.token_baseline."}
 
 
 class CheckpointError(ValueError):
@@ -51,15 +66,17 @@ class LoadedModel:
     captioner: Captioner
     vocab: Vocabulary
     config: CaptionerConfig
-    decode: dict[str, Any] = field(default_factory=dict)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
     path: Path | None = None
 
 
-def _read(path: Path, map_location: Any, *, mmap: bool = False) -> dict[str, Any]:
+def read_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", *,
+                    mmap: bool = False) -> dict[str, Any]:
     """torch.load with weights_only=True; every failure becomes a CheckpointError.
 
     With `mmap` the tensors stay on disk (only the pickle is parsed), for a cheap safety check.
     """
+    path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: checkpoint file does not exist")
     if not path.is_file():
@@ -125,9 +142,56 @@ def _config(path: Path, data: dict[str, Any]) -> CaptionerConfig:
         raise CheckpointError(f"{path}: invalid model config: {e}") from None
 
 
-def _decode_settings(data: dict[str, Any]) -> dict[str, Any]:
-    hp = data.get("hyper_parameters") or {}
-    return {k: hp.get(k, default) for k, default in DECODE_DEFAULTS.items()}
+def check_checkpoint_file(ckpt_path: str | os.PathLike[str] | None) -> None:
+    """Refuse a missing checkpoint, or one whose pickle would run code, before Lightning opens it.
+
+    Only the pickle is parsed (`mmap`: the tensors stay on disk), and an unsafe one is refused
+    before anything in it runs. Lightning's special values ("last", "best", ...) and URLs are
+    left to Lightning.
+    """
+    text = "" if ckpt_path is None else str(ckpt_path)
+    if not text or text in SPECIAL_CKPT_PATHS or "://" in text or text.startswith("registry:"):
+        return
+    read_checkpoint(Path(text), "cpu", mmap=True)
+
+
+def upgrade_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """Model hyperparameters of any version in today's layout (flat decoding keys -> decode)."""
+    hp = dict(hparams)
+    legacy = {new: hp.pop(old) for old, new in LEGACY_DECODE_KEYS.items() if old in hp}
+    if legacy:
+        hp["decode"] = {**legacy, **dict(hp.get("decode") or {})}
+    return hp
+
+
+def upgrade(checkpoint: dict[str, Any], own_keys: set[str] | None = None) -> dict[str, Any]:
+    """Map an older checkpoint's keys to today's, in place; returns it.
+
+    State-dict keys move by `STATE_KEY_MAP`; with `own_keys` (the model's state-dict keys) a
+    moved key the model does not have is dropped (a soft model has no REINFORCE baseline).
+    """
+    if isinstance(checkpoint.get("hyper_parameters"), Mapping):
+        checkpoint["hyper_parameters"] = upgrade_hparams(checkpoint["hyper_parameters"])
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, dict):
+        return checkpoint
+    for key in list(state):
+        old = next((p for p in STATE_KEY_MAP if key.startswith(p)), None)
+        if old is None:
+            continue
+        new = STATE_KEY_MAP[old] + key[len(old):]
+        value = state.pop(key)
+        if own_keys is None or new in own_keys:
+            state[new] = value
+    return checkpoint
+
+
+def _decode_settings(data: dict[str, Any]) -> DecodeConfig:
+    hp = upgrade_hparams(data.get("hyper_parameters") or {})
+    try:
+        return DecodeConfig.from_dict(dict(hp.get("decode") or {}))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"invalid decoding settings: {e}") from None
 
 
 def _captioner_state(path: Path, data: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -159,7 +223,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
     would run code when unpickled, or lacks / mismatches its vocabulary, config or weights.
     """
     path = Path(path)
-    data = _read(path, map_location)
+    data = read_checkpoint(path, map_location)
     vocab = _vocab(path, data)
     config = _config(path, data)
     state = _captioner_state(path, data)
@@ -176,15 +240,12 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
 
 
 def save_inference_checkpoint(path: str | os.PathLike[str], captioner: Captioner,
-                              vocab: Vocabulary, decode: dict[str, Any] | None = None) -> Path:
+                              vocab: Vocabulary, decode: DecodeConfig = DecodeConfig()) -> Path:
     """Write a small plain-data checkpoint (weights, vocabulary, config, decoding settings)
     that `load_checkpoint` reads; parent folders are created."""
     if len(vocab) != captioner.config.vocab_size:
         raise ValueError(f"vocabulary has {len(vocab)} words but the model was built for "
                          f"{captioner.config.vocab_size}")
-    unknown = sorted(set(decode or {}) - set(DECODE_DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown decoding settings {unknown}; use {sorted(DECODE_DEFAULTS)}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {STATE_PREFIX + k: v.detach().cpu() for k, v in captioner.state_dict().items()}
@@ -192,8 +253,74 @@ def save_inference_checkpoint(path: str | os.PathLike[str], captioner: Captioner
         "format": INFERENCE_FORMAT,
         "format_version": 1,
         "state_dict": state,
-        "hyper_parameters": {**DECODE_DEFAULTS, **(decode or {})},
+        "hyper_parameters": {"decode": decode.to_dict()},
         CHECKPOINT_VOCAB_KEY: vocab.to_dict(),
         CHECKPOINT_CONFIG_KEY: captioner.config.to_dict(),
     }, path)
     return path
+
+
+def check_fits(checkpoint: Mapping[str, Any], *, state: Mapping[str, torch.Tensor],
+               config: CaptionerConfig, vocab: Vocabulary | None, strict: bool = True) -> None:
+    """Refuse, with the differences spelled out, a checkpoint whose vocabulary is not `vocab`
+    or whose weights do not fit a model with state dict `state` and `config`."""
+    if CHECKPOINT_VOCAB_KEY in checkpoint and vocab is not None:
+        saved = Vocabulary.from_dict(checkpoint[CHECKPOINT_VOCAB_KEY])
+        if saved != vocab:
+            raise CheckpointError(
+                f"the checkpoint's vocabulary ({len(saved)} words) is not the data's "
+                f"({len(vocab)} words); resume or evaluate with the vocabulary the "
+                "model was trained with (data.vocab_path)")
+    theirs = checkpoint.get("state_dict")
+    if not isinstance(theirs, Mapping):
+        return
+    problems = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(state[k].shape)}"
+                for k, v in theirs.items() if k in state and hasattr(v, "shape")
+                and tuple(v.shape) != tuple(state[k].shape)]
+    if strict:
+        problems += [f"{k}: missing from the checkpoint" for k in state if k not in theirs]
+        problems += [f"{k}: not in this model" for k in theirs if k not in state]
+    if not problems:
+        return
+    raw = checkpoint.get(CHECKPOINT_CONFIG_KEY) or \
+        (checkpoint.get("hyper_parameters") or {}).get("net")
+    if isinstance(raw, dict):
+        diff = [f"{k}={raw[k]!r} (this model {v!r})"
+                for k, v in config.to_dict().items() if k in raw and raw[k] != v]
+        detail = "; checkpoint model config " + (", ".join(diff) if diff else "matches")
+    else:
+        detail = "; the checkpoint has no captioning model config"
+    raise CheckpointError(
+        f"the checkpoint's weights do not fit this model ({len(problems)} tensors, first: "
+        f"{'; '.join(problems[:3])}){detail}")
+
+
+def rng_states() -> dict[str, Any]:
+    """The torch (CPU, CUDA), numpy and python RNG states, as tensors and plain data (so that
+    checkpoints stay loadable with `torch.load(weights_only=True)`)."""
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: Mapping[str, Any]) -> None:
+    """Restore what `rng_states` returned (missing parts are left alone)."""
+    if "torch" in states:
+        torch.set_rng_state(states["torch"].cpu())
+    if "numpy" in states:
+        n = states["numpy"]
+        np.random.set_state(("MT19937", n["keys"].cpu().numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["cached_gaussian"]))
+    if "python" in states:
+        version, internal, gauss = states["python"]
+        random.setstate((version, tuple(internal), gauss))
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([t.cpu() for t in cuda])

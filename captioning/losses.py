@@ -23,6 +23,15 @@ def word_log_likelihoods(logits: Tensor, targets: Tensor, mask: Tensor) -> Tenso
     return logp * mask
 
 
+def caption_word_log_likelihoods(logits: Tensor, captions: Tensor,
+                                 lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """Teacher-forced (B, T) word log-likelihoods of `captions` (<start> first) and the (B, T)
+    real-word mask, for decoder logits (B, T, V)."""
+    T = logits.size(1)
+    mask = target_mask(lengths, T)
+    return word_log_likelihoods(logits, captions[:, 1 : T + 1], mask), mask
+
+
 def sequence_log_likelihood(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
     """log p(y | a) per caption (B,): Σ_t log p(y_t | ...) over real words only."""
     return word_log_likelihoods(logits, targets, mask).sum(dim=1)

@@ -16,12 +16,12 @@ from typing import Any
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS: tuple[str, ...] = (PAD, START, END, UNK)
 
-_TOKEN_RE = re.compile(r"[a-z0-9]+(?:'[a-z0-9]+)*")
+TOKEN_RE = re.compile(r"[a-z0-9]+(?:'[a-z0-9]+)*")
 
 
 def tokenize(text: str) -> list[str]:
     """Lowercase word tokens; punctuation is dropped."""
-    return _TOKEN_RE.findall(text.lower())
+    return TOKEN_RE.findall(text.lower())
 
 
 class Vocabulary:

@@ -31,6 +31,8 @@ Defaults (CPU): encoder mobilenet_v2 (random weights) at 224 px, frozen (7x7x128
 `--encoder vgg19`, the paper's conv5_4 (14x14x512); decoder embedding, attention and LSTM 512;
 batch 32. `--paper`: VGG-19 conv5_4 (14x14x512) at 224 px, LSTM 1800,
 batch 64, and synthetic COCO-like captions (10k-word vocabulary) over the shapes images.
+`--tiny`: 64 px images and a 32-unit decoder, to check that every row runs. The model and
+data are built by `captioning fit`'s own parser from the project's configs.
 Everything is written to a temporary folder (or --workdir).
 """
 
@@ -131,34 +133,52 @@ def _peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _model_config(spec: dict[str, Any], vocab_size: int) -> Any:
-    from captioning.models.captioner import CaptionerConfig
+def _build(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
+    """(CaptioningModule, CaptionDataModule) through `captioning fit`'s own parser, from the
+    project's configs (paper_soft.yaml with --paper, else demo_soft.yaml at benchmark sizes)."""
+    from captioning.commands.lightning import CONFIG_DIR, lightning_cli
 
-    if spec["paper"]:
-        return CaptionerConfig(vocab_size=vocab_size, backbone="vgg19", weights=None,
-                               grid_size=14, image_size=224, embed_dim=512, hidden_dim=1800,
-                               attn_dim=512, dropout=0.5, attention=spec["attention"],
-                               channels_last=spec["channels_last"])
-    return CaptionerConfig(vocab_size=vocab_size, backbone=spec["encoder"], weights=None,
-                           grid_size=None, image_size=224, embed_dim=512, hidden_dim=512,
-                           attn_dim=512, dropout=0.5, attention=spec["attention"],
-                           channels_last=spec["channels_last"])
+    karpathy = bool(spec.get("split_file"))
+    args = ["fit", "--config", str(CONFIG_DIR / "data" / ("coco.yaml" if karpathy else
+                                                          "shapes.yaml")),
+            "--config", str(CONFIG_DIR / "model" / ("paper_soft.yaml" if spec["paper"] else
+                                                    "demo_soft.yaml"))]
+    dims = 32 if spec.get("tiny") else 512
+    net: dict[str, Any] = {"weights": None, "attention": spec["attention"],
+                           "channels_last": spec["channels_last"]}
+    if not spec["paper"]:
+        net.update(backbone=spec["encoder"], grid_size=None, embed_dim=dims, hidden_dim=dims,
+                   attn_dim=dims, dropout=0.5)
+    data: dict[str, Any] = {
+        "image_size": spec["image_size"], "batch_size": spec["batch_size"],
+        "eval_batch_size": spec["batch_size"], "num_workers": spec["num_workers"],
+        "pin_memory": spec["device"].startswith("cuda"),
+        "persistent_workers": spec["num_workers"] > 0,
+        "length_bucketing": spec.get("bucketing", True), "feature_cache": cached,
+        "cache_dir": spec["cache_dir"], "validate_images": False, "vocab_path": None}
+    if karpathy:
+        data.update({"source.split_file": spec["split_file"],
+                     "source.image_root": spec["image_root"]})
+    else:
+        data.update({"source.root": spec["root"], "min_word_count": 1,
+                     **{f"source.{k}": v for k, v in spec["shapes"].items()}})
+    model = {"compute_metrics": False, "compile": spec["compile"],
+             "decode.beam_size": spec.get("beam_size", 3),
+             "decode.max_len": spec.get("max_len", 20),
+             **{f"net.{k}": v for k, v in net.items()}}
+    for group, values in (("model", model), ("data", data)):
+        for k, v in values.items():
+            args += [f"--{group}.{k}", "null" if v is None else str(v)]
+    cli = lightning_cli([*args, "--trainer.logger", "false"], run=False)
+    return cli.model, cli.datamodule
 
 
-def _datamodule(spec: dict[str, Any], *, cached: bool) -> Any:
-    from captioning.data.datamodule import CaptionDataModule
+def _attach_cache(module: Any, dm: Any, device: str) -> None:
+    """The feature cache, through `fit`'s one attach path."""
+    from captioning.data.features import attach_feature_cache
 
-    common = {"image_size": 224, "batch_size": spec["batch_size"],
-              "eval_batch_size": spec["batch_size"], "num_workers": spec["num_workers"],
-              "pin_memory": spec["device"].startswith("cuda"),
-              "persistent_workers": spec["num_workers"] > 0,
-              "length_bucketing": spec.get("bucketing", True), "feature_cache": cached,
-              "cache_dir": spec["cache_dir"], "validate_images": False}
-    if spec.get("split_file"):
-        return CaptionDataModule(dataset="karpathy", split_file=spec["split_file"],
-                                 image_root=spec["image_root"], min_word_count=5,
-                                 max_vocab_size=10_000, **common)
-    return CaptionDataModule(dataset="shapes", root=spec["root"], **spec["shapes"], **common)
+    captioner = module.captioner
+    attach_feature_cache(dm, captioner.encoder, captioner.feature_cache_key(), device=device)
 
 
 def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
@@ -166,19 +186,14 @@ def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
     import lightning.pytorch as L
     import torch
 
-    from captioning.lit_module import CaptioningModule
-
     L.seed_everything(0, verbose=False)
     device = spec["device"]
     cuda = device.startswith("cuda")
-    dm = _datamodule(spec, cached=spec["cached"])
-    module = CaptioningModule(vocab_size=dm.vocab_size, net=_model_config(spec, dm.vocab_size),
-                              compute_metrics=False, compile=spec["compile"])
+    module, dm = _build(spec, cached=spec["cached"])
     notes: list[str] = []
     if spec["cached"]:  # build (or find) the cache before timing anything
         t0 = time.perf_counter()
-        dm.use_encoder_cache(module.captioner.encoder, module.feature_cache_key(),
-                             device=torch.device(device))
+        _attach_cache(module, dm, device)
         n = len(dm.cache_features(["train", "val"])["train"])
         notes.append(f"cache of {n} train images: {time.perf_counter() - t0:.0f} s")
 
@@ -259,15 +274,12 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
     import lightning.pytorch as L
     import torch
 
-    from captioning.decoding import SpecialIds
-    from captioning.lit_module import CaptioningModule
+    from captioning.models.decoding import SpecialIds
 
     L.seed_everything(0, verbose=False)
     device = torch.device(spec["device"])
-    dm = _datamodule(spec, cached=True)
-    module = CaptioningModule(vocab_size=dm.vocab_size, net=_model_config(spec, dm.vocab_size),
-                              beam_size=spec["beam_size"], max_len=spec["max_len"])
-    dm.use_encoder_cache(module.captioner.encoder, module.feature_cache_key(), device=device)
+    module, dm = _build(spec, cached=True)
+    _attach_cache(module, dm, spec["device"])
     if spec.get("weights") and Path(spec["weights"]).exists():
         module.load_state_dict(torch.load(spec["weights"], map_location="cpu"))
     with torch.no_grad():
@@ -303,12 +315,13 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
 def worker_coco_index(spec: dict[str, Any]) -> dict[str, Any]:
     """Read + vocabulary + dataset encoding of a COCO-size Karpathy file."""
     from captioning.data.datamodule import CaptionDataModule
+    from captioning.data.sources import KarpathySplits
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    dm = CaptionDataModule(dataset="karpathy", split_file=spec["split_file"],
-                           image_root=spec["image_root"], validate_images=False,
-                           feature_cache=False, min_word_count=5, max_vocab_size=10_000)
+    source = KarpathySplits(split_file=spec["split_file"], image_root=spec["image_root"])
+    dm = CaptionDataModule(source=source, validate_images=False, feature_cache=False,
+                           min_word_count=5, max_vocab_size=10_000)
     n_train = len(dm.records("train"))
     t_read = time.perf_counter() - t0
     vocab = dm.vocab
@@ -330,9 +343,9 @@ def worker_padding(spec: dict[str, Any]) -> dict[str, Any]:
     """Padding share of one epoch's batches, bucketed vs random, for a training set."""
     import numpy as np
 
-    from captioning.data.datamodule import BucketBatchSampler, EpochShuffleSampler
+    from captioning.data.samplers import BucketBatchSampler, EpochShuffleSampler
 
-    dm = _datamodule(spec, cached=False)
+    _, dm = _build({**spec, "attention": "soft"}, cached=False)
     lengths = np.asarray(dm.dataset_for("train").lengths)
     steps = lengths - 1
     b = spec["batch_size"]
@@ -422,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                         "shared with other jobs, where OpenMP thread teams stall")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
+    p.add_argument("--tiny", action="store_true",
+                   help="64 px images and a 32-unit decoder: checks that every row runs")
     args = p.parse_args(argv)
     args.warmup = max(1, args.warmup)  # the first timed step needs a previous step's end
 
@@ -444,15 +459,16 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         from captioning.data.shapes import generate_shapes
 
-        shapes = {"num_train": args.num_train, "num_val": 64, "num_test": 0,
-                  "image_size": 224, "seed": 0}
+        size = 64 if args.tiny else 224
+        shapes = {"num_train": args.num_train, "num_val": 8 if args.tiny else 64,
+                  "num_test": 0, "image_size": size, "seed": 0}
         t0 = time.perf_counter()
         root = generate_shapes(work / "shapes", **shapes)
         log.info("shapes data ready in %.0f s", time.perf_counter() - t0)
         base = {"device": args.device, "precision": args.precision, "paper": args.paper,
                 "encoder": args.encoder,
                 "batch_size": batch, "root": str(root),
-                "shapes": {f"shapes_{k}": v for k, v in shapes.items()},
+                "shapes": shapes, "image_size": size, "tiny": args.tiny,
                 "cache_dir": str(work / "features"), "workdir": str(work),
                 "channels_last": args.channels_last, "steps": args.steps,
                 "warmup": args.warmup, "compile": False, "threads": args.threads}
@@ -506,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
             log.info("running: beam search")
             res = _run_worker({**base, "kind": "beam", "attention": "soft", "num_workers": 0,
                                "beam_size": args.beam_size, "max_len": args.max_len,
-                               "beam_images": 64, "weights": weights}, args.threads)
+                               "beam_images": shapes["num_val"], "weights": weights},
+                              args.threads)
             results.append((f"beam search, cached, soft (beam {args.beam_size})", res))
         padding: dict[str, Any] = {}
         if "coco" in rows:
@@ -541,7 +558,7 @@ def _print_table(args: argparse.Namespace, batch: int, results: list[tuple[str, 
            f"{args.encoder} {grid} (random weights), embed/attn/LSTM 512")
     mem = "peak GPU MB" if args.device.startswith("cuda") else "peak RSS MB"
     print(f"\nmachine: {_machine(args.device, args.threads)}")
-    print(f"model: {cfg}, frozen encoder, 224 px, batch {batch}, device {args.device}, "
+    print(f"model: {cfg}, frozen encoder, {64 if args.tiny else 224} px, batch {batch}, device {args.device}, "
           f"precision {args.precision}; training: {args.steps} timed steps per row in "
           f"{args.rounds} interleaved rounds, each after {args.warmup} warm-up steps")
     head = f"| {'configuration':<42} | {'captions/s':>10} | {'step ms':>8} | {'data wait':>9} " \

@@ -3,7 +3,7 @@
     python scripts/benchmark_beam.py [--n 256] [--beam-size 5] [--batch-size 64] [--device auto]
     python scripts/benchmark_beam.py --checkpoint CKPT [--images DIR|GLOB ...]
 
-Both modes call the same `captioning.decoding.beam_search` on annotation grids (B, L, D), so
+Both modes call the same `captioning.models.decoding.beam_search` on annotation grids (B, L, D), so
 only decoding is timed. Without a checkpoint the decoder has the demo size (embed 128, hidden
 256, attention 128) over random grids of the demo shape (L = 64, D = 96), with random weights
 and <end> disabled, so that every image runs `--max-len` steps in both modes (an untrained
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from captioning.decoding import Generation, SpecialIds, beam_search
 from captioning.models.decoder import AttentionLSTMDecoder
+from captioning.models.decoding import Generation, SpecialIds, beam_search
 
 log = logging.getLogger("benchmark_beam")
 
@@ -51,8 +51,8 @@ def random_setup(args: argparse.Namespace) -> tuple[AttentionLSTMDecoder, Tensor
 @torch.inference_mode()
 def checkpoint_setup(args: argparse.Namespace) -> tuple[AttentionLSTMDecoder, Tensor, dict]:
     """The checkpoint's decoder, and its encoder's grids of n shapes (or --images) images."""
-    from captioning.caption import expand_inputs
     from captioning.checkpoint import load_checkpoint
+    from captioning.commands.caption import expand_inputs
     from captioning.data.datamodule import build_image_transform
     from captioning.data.images import load_image
     from captioning.data.shapes import generate_shapes
@@ -73,9 +73,9 @@ def checkpoint_setup(args: argparse.Namespace) -> tuple[AttentionLSTMDecoder, Te
     for s in range(0, len(paths), 64):
         batch = torch.stack([transform(load_image(p, min_side=size)) for p in paths[s:s + 64]])
         grids.append(model.captioner.encode(batch))
-    settings = {"max_len": args.max_len or model.decode["max_len"],
-                "length_penalty": float(model.decode["length_penalty"]),
-                "forbid_unk": bool(model.decode["forbid_unk"])}
+    settings = {"max_len": args.max_len or model.decode.max_len,
+                "length_penalty": model.decode.length_penalty,
+                "forbid_unk": model.decode.forbid_unk}
     return model.captioner.decoder, torch.cat(grids), settings
 
 

@@ -12,11 +12,27 @@ import torch
 from PIL import Image
 
 from captioning.data.shapes import generate_shapes
+from captioning.data.sources import ShapesSource
 from captioning.vocab import tokenize
 
-#: Parameters of the session's shapes dataset (pass them to CaptionDataModule as shapes_*).
+#: Parameters of the session's shapes dataset (ShapesSource / generate_shapes arguments).
 SHAPES_PARAMS: dict[str, int] = {"num_train": 24, "num_val": 8, "num_test": 8,
                                  "image_size": 64, "seed": 0}
+
+
+def shapes_source(root: str | Path) -> ShapesSource:
+    """The data source of the session's shapes dataset under `root`."""
+    return ShapesSource(root=str(root), **SHAPES_PARAMS)
+
+
+def shapes_cli_args(root: str | Path) -> list[str]:
+    """LightningCLI flags for the session's shapes data under `root`, as `shapes_dm_kwargs`
+    gives them to CaptionDataModule (64px, batch 4, eval batch 8)."""
+    source = ["--data.source", "captioning.data.sources.ShapesSource",
+              "--data.source.root", str(root),
+              *[a for k, v in SHAPES_PARAMS.items() for a in (f"--data.source.{k}", str(v))]]
+    return [*source, "--data.image_size", "64", "--data.batch_size", "4",
+            "--data.eval_batch_size", "8"]
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -37,13 +53,9 @@ def shapes_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def shapes_dm_kwargs(shapes_root: Path) -> dict[str, Any]:
-    """CaptionDataModule keyword arguments for the session's shapes dataset (64px, batch 4)."""
-    return {"dataset": "shapes", "root": str(shapes_root),
-            "shapes_num_train": SHAPES_PARAMS["num_train"],
-            "shapes_num_val": SHAPES_PARAMS["num_val"],
-            "shapes_num_test": SHAPES_PARAMS["num_test"],
-            "shapes_image_size": SHAPES_PARAMS["image_size"],
-            "shapes_seed": SHAPES_PARAMS["seed"],
+    """CaptionDataModule keyword arguments for the session's shapes dataset (64px, batch 4);
+    `shapes_cli_args(shapes_root)` gives the same as command-line flags."""
+    return {"source": shapes_source(shapes_root),
             "image_size": 64, "batch_size": 4, "eval_batch_size": 8}
 
 

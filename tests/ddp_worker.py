@@ -17,8 +17,15 @@ import torch
 import torch.distributed as dist
 
 from captioning.callbacks import AttentionOverlayCallback
-from captioning.data.datamodule import BucketBatchSampler, CaptionDataModule
+from captioning.data.datamodule import CaptionDataModule
+from captioning.data.samplers import BucketBatchSampler
+from captioning.data.sources import DataSource
 from captioning.lit_module import CaptioningModule
+
+
+def datamodule(data: dict[str, Any]) -> CaptionDataModule:
+    """The data module of a spec's plain-data `data` (its `source` a class_path / init_args)."""
+    return CaptionDataModule(**{**data, "source": DataSource.from_config(data["source"])})
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -51,7 +58,7 @@ class SamplerProbe(L.Callback):
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
-    dm = CaptionDataModule(**spec["data"])
+    dm = datamodule(spec["data"])
     module = CaptioningModule.load_from_checkpoint(spec["checkpoint"], map_location="cpu")
     overlays = AttentionOverlayCallback(num_images=2, save_dir=spec["overlay_dir"],
                                         log_table=False)

@@ -14,14 +14,13 @@ from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image
 
 from captioning.callbacks import AttentionOverlayCallback
-from captioning.cli import wandb_dirs
+from captioning.commands.lightning import wandb_dirs
 from captioning.data.datamodule import CaptionDataModule
 from captioning.lit_module import CaptioningModule
-from captioning.models.captioner import CaptionerConfig
+from captioning.models.captioner import CaptionerConfig, DecodeConfig
 
 S = 64  # image size: every panel is S wide
 LABEL = 14  # render_strips' default label strip height
-
 
 
 def make_dm(kwargs: dict[str, Any], tmp_path: Path, *, feature_cache: bool) -> CaptionDataModule:
@@ -33,7 +32,7 @@ def make_module(dm: CaptionDataModule, attention: str = "soft") -> CaptioningMod
     net = CaptionerConfig(backbone="resnet18", weights=None, grid_size=4, image_size=S,
                           embed_dim=16, hidden_dim=32, attn_dim=16, attention=attention)
     return CaptioningModule(vocab_size=dm.vocab_size, net=net, compute_metrics=False,
-                            eval_strategy="greedy", max_len=8)
+                            decode=DecodeConfig(strategy="greedy", max_len=8))
 
 
 def expected_widths(cb: AttentionOverlayCallback) -> list[int]:

@@ -22,7 +22,7 @@ from captioning.checkpoint import (
     load_checkpoint,
     save_inference_checkpoint,
 )
-from captioning.models.captioner import CaptionerConfig
+from captioning.models.captioner import CaptionerConfig, DecodeConfig
 from captioning.vocab import Vocabulary
 
 NET = CaptionerConfig(backbone="resnet18", weights=None, grid_size=3, image_size=64,
@@ -40,17 +40,17 @@ class Trained:
 
     def batch(self, paths: list[Path]) -> torch.Tensor:
         """The images as the caption CLI loads them (the project's loader and transform)."""
-        from captioning.data.datamodule import build_image_transform
         from captioning.data.images import load_image
+        from captioning.data.transforms import build_image_transform
 
         t = build_image_transform(self.module.net_config.image_size)
         return torch.stack([t(load_image(p, min_side=64)) for p in paths])
 
-    def captions(self, paths: list[Path], **generate: Any) -> list[str]:
-        """Captions of the LightningModule's own decoding (or captioner.generate(**generate))."""
+    def captions(self, paths: list[Path], decode: DecodeConfig | None = None) -> list[str]:
+        """Captions of the LightningModule's own decoding (or with `decode`)."""
         with torch.no_grad():
             images = self.batch(paths)
-            gen = (self.module.captioner.generate(images, **generate) if generate
+            gen = (self.module.captioner.generate(images, decode) if decode is not None
                    else self.module.generate(images))
         return [" ".join(self.vocab.decode(t[:n])) for t, n in
                 zip(gen.tokens.tolist(), gen.lengths.tolist())]
@@ -66,7 +66,8 @@ def _train(shapes_root: str, dm_items: tuple[tuple[str, Any], ...], out: str) ->
     L.seed_everything(0, verbose=False)
     dm = CaptionDataModule(**dict(dm_items), feature_cache=False)
     module = CaptioningModule(vocab_size=dm.vocab_size, net=NET, decoder_lr=1e-2,
-                              beam_size=3, max_len=12, compute_metrics=False)
+                              decode=DecodeConfig(beam_size=3, max_len=12),
+                              compute_metrics=False)
     trainer = L.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0,
@@ -83,7 +84,8 @@ def trained_model(shapes_dm_kwargs: dict[str, Any],
     """The session's trained tiny model (fitted once, whichever test module asks first)."""
     out = tmp_path_factory.getbasetemp() / "trained-captioner"
     out.mkdir(exist_ok=True)
-    return _train(shapes_dm_kwargs["root"], tuple(sorted(shapes_dm_kwargs.items())), str(out))
+    return _train(str(shapes_dm_kwargs["source"].root), tuple(sorted(shapes_dm_kwargs.items())),
+                  str(out))
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +111,11 @@ def test_reload_decodes_identically_to_the_in_memory_model(trained: Trained) -> 
     assert not loaded.captioner.training
     assert loaded.vocab == trained.vocab
     assert loaded.config == trained.module.net_config
-    assert loaded.decode == {"eval_strategy": "beam", "beam_size": 3, "max_len": 12,
-                             "length_penalty": 0.0, "forbid_unk": False}
+    assert loaded.decode == DecodeConfig(strategy="beam", beam_size=3, max_len=12)
     images = trained.batch(trained.images)
     with torch.no_grad():
         want = trained.module.generate(images)
-        got = loaded.captioner.generate(images, strategy="beam", beam_size=3, max_len=12)
+        got = loaded.captioner.generate(images, loaded.decode)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.lengths, want.lengths)
     torch.testing.assert_close(got.scores, want.scores)
     torch.testing.assert_close(got.alphas, want.alphas)
@@ -139,22 +140,18 @@ def test_backbone_is_built_without_pretrained_weights(trained: Trained, tmp_path
 
 def test_inference_checkpoint_round_trip(trained: Trained, tmp_path: Path) -> None:
     loaded = load_checkpoint(trained.checkpoint)
-    decode = {"beam_size": 2, "max_len": 9}
+    decode = DecodeConfig(beam_size=2, max_len=9)
     path = save_inference_checkpoint(tmp_path / "small" / "model.pt", loaded.captioner,
                                      loaded.vocab, decode)
     again = load_checkpoint(path)
     assert again.vocab == loaded.vocab and again.config == loaded.config
-    assert again.decode["beam_size"] == 2 and again.decode["max_len"] == 9
-    assert again.decode["eval_strategy"] == "beam"
+    assert again.decode == decode
     images = trained.batch(trained.images[:4])
     with torch.no_grad():
-        a = loaded.captioner.generate(images, beam_size=2, max_len=9)
-        b = again.captioner.generate(images, beam_size=2, max_len=9)
+        a = loaded.captioner.generate(images, decode)
+        b = again.captioner.generate(images, again.decode)
     assert torch.equal(a.tokens, b.tokens)
     assert path.stat().st_size < trained.checkpoint.stat().st_size  # no optimiser state
-    with pytest.raises(ValueError, match="unknown decoding settings"):
-        save_inference_checkpoint(tmp_path / "x.pt", loaded.captioner, loaded.vocab,
-                                  {"beam": 3})
 
 
 def test_every_load_uses_weights_only(trained: Trained, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,9 +274,11 @@ def test_invalid_config_and_weights(trained: Trained, tmp_path: Path) -> None:
         load_checkpoint(_edited(trained, tmp_path, lambda d: d.update(state_dict={})))
 
 
-def test_keys_match_the_lightning_module() -> None:
+def test_the_lightning_module_writes_the_checkpoint_keys(trained: Trained) -> None:
     import captioning.checkpoint as ck
-    from captioning import lit_module
 
-    assert ck.CHECKPOINT_VOCAB_KEY == lit_module.CHECKPOINT_VOCAB_KEY
-    assert ck.CHECKPOINT_CONFIG_KEY == lit_module.CHECKPOINT_CONFIG_KEY
+    data = torch.load(trained.checkpoint, map_location="cpu", weights_only=True)
+    for key in (ck.CHECKPOINT_VOCAB_KEY, ck.CHECKPOINT_CONFIG_KEY, ck.CHECKPOINT_RNG_KEY):
+        assert key in data
+    assert data["hyper_parameters"]["decode"] == DecodeConfig(beam_size=3, max_len=12).to_dict()
+    assert not any(k in data["hyper_parameters"] for k in ck.LEGACY_DECODE_KEYS)

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import SHAPES_PARAMS
+from conftest import shapes_cli_args
 
-from captioning.cli import CONFIG_DIR, main
+from captioning.cli import main
+from captioning.commands.lightning import CONFIG_DIR
 
 TRAINERS = sorted((CONFIG_DIR / "trainer").glob("*.yaml"))
 DATA = sorted((CONFIG_DIR / "data").glob("*.yaml"))
@@ -53,7 +54,8 @@ def test_every_combination_parses(trainer: Path, data: Path, model: Path) -> Non
     mine = yaml.safe_load(model.read_text())["model"]["net"]
     assert cfg["model"]["net"]["attention"] == mine["attention"]
     assert cfg["model"]["net"]["backbone"] == mine["backbone"]
-    assert cfg["data"]["dataset"] == yaml.safe_load(data.read_text())["data"]["dataset"]
+    source = yaml.safe_load(data.read_text())["data"]["source"]
+    assert cfg["data"]["source"]["class_path"] == source["class_path"]
 
 
 def test_paper_configs_follow_the_paper() -> None:
@@ -66,17 +68,17 @@ def test_paper_configs_follow_the_paper() -> None:
 def test_data_paths_are_overridable(tmp_path: Path) -> None:
     split_file = tmp_path / "dataset_coco.json"
     cfg = _print_config(TRAINERS[0], CONFIG_DIR / "data" / "coco.yaml", MODELS[0],
-                        extra=["--data.split_file", str(split_file),
-                               "--data.image_root", str(tmp_path)])
-    assert cfg["data"]["split_file"] == str(split_file)
-    assert cfg["data"]["image_root"] == str(tmp_path)
+                        extra=["--data.source.split_file", str(split_file),
+                               "--data.source.image_root", str(tmp_path)])
+    assert cfg["data"]["source"]["init_args"]["split_file"] == str(split_file)
+    assert cfg["data"]["source"]["init_args"]["image_root"] == str(tmp_path)
 
 
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_demo_config_shrunk_fits(attention: str, shapes_root: Path, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """`captioning fit` with the real demo configs, shrunk to a few steps on tiny data."""
-    from captioning.cli import wandb_dirs
+    from captioning.commands.lightning import wandb_dirs
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     for k, v in wandb_dirs(tmp_path).items():
@@ -92,11 +94,10 @@ def test_demo_config_shrunk_fits(attention: str, shapes_root: Path, tmp_path: Pa
     main(["fit", "--config", str(tmp_path / "trainer.yaml"),
           "--config", str(CONFIG_DIR / "data" / "shapes.yaml"),
           "--config", str(CONFIG_DIR / "model" / f"demo_{attention}.yaml"),
-          "--data.root", str(shapes_root),
-          *[a for k, v in SHAPES_PARAMS.items() for a in (f"--data.shapes_{k}", str(v))],
-          "--data.image_size", "64", "--data.batch_size", "8", "--data.eval_batch_size", "8",
+          *shapes_cli_args(shapes_root),
+          "--data.batch_size", "8", "--data.eval_batch_size", "8",
           "--data.cache_dir", str(tmp_path / "features"),
-          "--model.net.weights", "null", "--model.max_len", "8",
+          "--model.net.weights", "null", "--model.decode.max_len", "8",
           "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
           "--trainer.check_val_every_n_epoch", "1", "--trainer.log_every_n_steps", "1",
           "--trainer.enable_progress_bar", "false"])

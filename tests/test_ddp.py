@@ -21,11 +21,12 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import torch
+from ddp_worker import datamodule
 
-from captioning.data.datamodule import CaptionDataModule
 from captioning.data.shapes import generate_shapes
+from captioning.data.sources import ShapesSource
 from captioning.lit_module import CaptioningModule
-from captioning.models.captioner import CaptionerConfig
+from captioning.models.captioner import CaptionerConfig, DecodeConfig
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 NUM_VAL, NUM_TEST = 7, 5  # odd: the DistributedSampler pads each rank's shard with a repeat
@@ -37,19 +38,20 @@ def setup_ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("ddp")
     root = generate_shapes(tmp / "shapes", num_train=24, num_val=NUM_VAL, num_test=NUM_TEST,
                            image_size=64, seed=1)
-    data = {"dataset": "shapes", "root": str(root), "shapes_num_train": 24,
-            "shapes_num_val": NUM_VAL, "shapes_num_test": NUM_TEST, "shapes_image_size": 64,
-            "shapes_seed": 1, "image_size": 64, "batch_size": 8, "eval_batch_size": 2,
+    source = ShapesSource(root=str(root), num_train=24, num_val=NUM_VAL, num_test=NUM_TEST,
+                          image_size=64, seed=1)
+    # plain data (the worker reads it from JSON): the source as its class_path / init_args
+    data = {"source": source.config(), "image_size": 64, "batch_size": 8, "eval_batch_size": 2,
             "cache_dir": str(tmp / "features")}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         L.seed_everything(0)
-        dm = CaptionDataModule(**data)
+        dm = datamodule(data)
         net = CaptionerConfig(backbone="resnet18", weights=None, grid_size=2, image_size=64,
                               embed_dim=32, hidden_dim=48, attn_dim=32, dropout=0.0)
         module = CaptioningModule(vocab_size=dm.vocab_size, net=net, decoder_lr=1e-2,
-                                  beam_size=2, max_len=16)
+                                  decode=DecodeConfig(beam_size=2, max_len=16))
         trainer = L.Trainer(max_steps=40, limit_val_batches=0, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, accelerator="cpu", devices=1,
@@ -69,7 +71,7 @@ def _single_process(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        dm = CaptionDataModule(**spec["data"])
+        dm = datamodule(spec["data"])
         module = CaptioningModule.load_from_checkpoint(spec["checkpoint"], map_location="cpu")
         trainer = L.Trainer(accelerator="cpu", devices=1, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False,
@@ -123,7 +125,7 @@ def test_ddp_samplers_shard_and_bucket(setup_ddp: dict[str, Any],
     assert set(per_rank[0]) | set(per_rank[1]) == set(range(n))  # every pair, sharded
     overlap = Counter(per_rank[0]) + Counter(per_rank[1])
     assert sum(overlap.values()) - n == 2 * -(-n // 2) - n  # only the padding repeats
-    dm = CaptionDataModule(**setup_ddp["data"])
+    dm = datamodule(setup_ddp["data"])
     lengths = dm.dataset_for("train").lengths
     for r in s:  # each batch is one bucket, longest first
         for b in r["batches"]:

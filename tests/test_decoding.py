@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from captioning.decoding import Generation, beam_search, greedy_search, length_normalised
-from captioning.models import AttentionLSTMDecoder, Captioner, CaptionerConfig
+from captioning.models import AttentionLSTMDecoder, Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.decoder import DecoderState, Memory
+from captioning.models.decoding import Generation, beam_search, greedy_search, length_normalised
 
 PAD, START, END, UNK = 0, 1, 2, 3
 D, L = 16, 5
@@ -302,13 +302,17 @@ def test_captioner_generate_plumbing() -> None:
     with torch.no_grad():
         model.decoder.out.bias[UNK] = 30.0
     feats = torch.randn(2, 4, 512)
-    gen = model.generate(feats, strategy="beam", beam_size=2, max_len=4, forbid_unk=True)
+    gen = model.generate(feats, DecodeConfig(beam_size=2, max_len=4, forbid_unk=True))
     assert not torch.any(gen.tokens == UNK) and gen.alphas.shape[-1] == 4
-    gen = model.generate(torch.randn(2, 3, 64, 64), strategy="greedy", max_len=4)
+    gen = model.generate(torch.randn(2, 3, 64, 64), DecodeConfig(strategy="greedy", max_len=4))
     assert torch.all(gen.tokens == UNK)
     with pytest.raises(ValueError, match="length_penalty"):
-        model.generate(feats, length_penalty=-1.0)
+        DecodeConfig(length_penalty=-1.0)
     with pytest.raises(ValueError, match="strategy"):
-        model.generate(feats, strategy="sample")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="beam_size"):
-        model.generate(feats, beam_size=0)
+        DecodeConfig(strategy="sample")  # type: ignore[arg-type]
+    for name in ("beam_size", "max_len"):
+        with pytest.raises(ValueError, match=name):
+            DecodeConfig(**{name: 0})
+    assert DecodeConfig.from_dict(DecodeConfig(beam_size=5).to_dict()) == DecodeConfig(beam_size=5)
+    with pytest.raises(ValueError, match="unknown fields"):
+        DecodeConfig.from_dict({"eval_strategy": "beam"})

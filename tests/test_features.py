@@ -16,10 +16,12 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from captioning.data.datamodule import CachedInputs, CaptionDataModule, build_image_transform
-from captioning.data.features import FeatureCache
+from captioning.data.datamodule import CaptionDataModule
+from captioning.data.datasets import CachedInputs
+from captioning.data.features import FeatureCache, attach_feature_cache
+from captioning.data.transforms import build_image_transform
 from captioning.lit_module import CaptioningModule
-from captioning.models.captioner import CaptionerConfig
+from captioning.models.captioner import CaptionerConfig, DecodeConfig
 from captioning.models.encoder import CNNEncoder
 
 S = 64  # image size of the session's shapes dataset
@@ -88,19 +90,20 @@ def test_building_shows_a_progress_bar(images: list[Path], tmp_path: Path,
     assert "caching encoder features" not in capsys.readouterr().err
 
 
-def test_module_casts_float16_grids_after_the_transfer() -> None:
-    from types import SimpleNamespace
+def test_captioner_casts_float16_grids_for_every_consumer() -> None:
+    from captioning.models import Captioner, DecodeConfig
 
-    from captioning.lit_module import CaptioningModule
-    from captioning.models import CaptionerConfig
-
-    module = CaptioningModule(net=CaptionerConfig(vocab_size=8, backbone="resnet18",
-                                                  embed_dim=8, hidden_dim=8, attn_dim=8))
+    captioner = Captioner(CaptionerConfig(vocab_size=8, backbone="resnet18", embed_dim=8,
+                                          hidden_dim=8, attn_dim=8)).eval()
     grids = torch.randn(2, 4, 512).half()
-    out = module.on_after_batch_transfer(SimpleNamespace(images=grids), 0)
-    assert out.images.dtype == torch.float32 and torch.equal(out.images, grids.float())
-    pixels = torch.randn(2, 3, 8, 8)
-    assert module.on_after_batch_transfer(SimpleNamespace(images=pixels), 0).images is pixels
+    out = captioner.encode(grids)
+    assert out.dtype == torch.float32 and torch.equal(out, grids.float())
+    features = torch.randn(2, 4, 512)
+    assert captioner.encode(features) is features
+    with torch.no_grad():  # decoding cached grids directly (beam benchmark, predict) works
+        a = captioner.generate(grids, DecodeConfig(beam_size=2, max_len=3))
+        b = captioner.generate(grids.float(), DecodeConfig(beam_size=2, max_len=3))
+    assert torch.equal(a.tokens, b.tokens)
 
 
 @pytest.mark.parametrize("change", ["image_file", "image_size", "encoder_config"])
@@ -129,9 +132,9 @@ def test_weights_fingerprint_is_in_the_module_key() -> None:
     net = CaptionerConfig(vocab_size=10, backbone="resnet18", weights=None, grid_size=2,
                           embed_dim=8, hidden_dim=8, attn_dim=8)
     torch.manual_seed(0)
-    a = CaptioningModule(net=net).feature_cache_key()
+    a = CaptioningModule(net=net).captioner.feature_cache_key()
     torch.manual_seed(1)
-    b = CaptioningModule(net=net).feature_cache_key()
+    b = CaptioningModule(net=net).captioner.feature_cache_key()
     assert a["weights"] != b["weights"] and {**a, "weights": 0} == {**b, "weights": 0}
 
 
@@ -162,7 +165,7 @@ def _module(dm: CaptionDataModule, *, finetune: bool, attention: str = "soft") -
                           finetune_encoder=finetune, embed_dim=16, hidden_dim=16, attn_dim=16,
                           attention=attention)
     return CaptioningModule(vocab_size=dm.vocab_size, net=net, compute_metrics=False,
-                            eval_strategy="greedy", max_len=6)
+                            decode=DecodeConfig(strategy="greedy", max_len=6))
 
 
 class _CountCNN(L.Callback):
@@ -222,9 +225,13 @@ def test_cache_features_command_builds_every_split(shapes_dm_kwargs: dict, tmp_p
 
     cfg = tmp_path / "config.yaml"
     data = {**shapes_dm_kwargs, "cache_dir": str(tmp_path / "features")}
+    source = data["source"]
     lines = ["seed_everything: 0", "trainer:", "  accelerator: cpu", "  logger: false",
-             f"  default_root_dir: {tmp_path}", "data:"]
-    lines += [f"  {k}: {v}" for k, v in data.items()]
+             f"  default_root_dir: {tmp_path}", "data:", "  source:",
+             "    class_path: captioning.data.sources.ShapesSource", "    init_args:",
+             f"      root: {source.root}"]
+    lines += [f"      {k}: {v}" for k, v in source.params.items()]
+    lines += [f"  {k}: {v}" for k, v in data.items() if k != "source"]
     lines += ["model:", "  net:", "    backbone: resnet18", "    weights: null",
               "    grid_size: 2", "    embed_dim: 8", "    hidden_dim: 8", "    attn_dim: 8"]
     cfg.write_text("\n".join(lines) + "\n")
@@ -240,7 +247,8 @@ def test_cache_features_command_builds_every_split(shapes_dm_kwargs: dict, tmp_p
         backbone="resnet18", weights=None, grid_size=2, image_size=S, embed_dim=8,
         hidden_dim=8, attn_dim=8))
     _forbid(module.captioner.encoder, monkeypatch)
-    dm.use_encoder_cache(module.captioner.encoder, module.feature_cache_key(), device="cpu")
+    attach_feature_cache(dm, module.captioner.encoder, module.captioner.feature_cache_key(),
+                         device="cpu")
     assert set(dm.cache_features()) == {"train", "val", "test"}
     assert [p.stat().st_mtime_ns for p in built] == stamps
 
@@ -267,7 +275,7 @@ def test_bf16_autocast_forward_backward_is_finite(attention: str) -> None:
     batch = type("B", (), {"images": torch.randn(B, 9, 512), "captions": captions,
                            "lengths": lengths})()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        parts = module._losses(batch)
+        parts = module.losses(batch)
         out = module.captioner(batch.images, captions, lengths)
     assert out.logits.dtype == torch.bfloat16  # the matmuls did run in bf16
     assert out.alphas.dtype == torch.float32  # the attention softmax stays float32

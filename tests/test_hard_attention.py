@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from captioning.decoding import beam_search, greedy_search
 from captioning.lit_module import CaptioningModule
 from captioning.losses import (
     MovingAverageBaseline,
@@ -24,6 +24,8 @@ from captioning.losses import (
 from captioning.models import AttentionLSTMDecoder, CaptionerConfig
 from captioning.models.attention import AdditiveAttention, select
 from captioning.models.decoder import Memory
+from captioning.models.decoding import beam_search, greedy_search
+from captioning.objectives import expected_word_log_likelihoods
 
 V, D, L = 12, 16, 5
 PAD, START, END = 0, 1, 2
@@ -207,8 +209,8 @@ def test_token_baseline_update_rule() -> None:
 def test_token_advantage_is_saved_with_the_module() -> None:
     net = CaptionerConfig(vocab_size=V, backbone="resnet18", hidden_dim=16, embed_dim=16,
                           attn_dim=16, attention="hard")
-    assert "token_baseline.value" in CaptioningModule(net=net, advantage="token").state_dict()
-    assert "token_baseline.value" not in CaptioningModule(net=net).state_dict()
+    assert "objective.token_baseline.value" in CaptioningModule(net=net, advantage="token").state_dict()
+    assert "objective.token_baseline.value" not in CaptioningModule(net=net).state_dict()
     with pytest.raises(ValueError, match="advantage"):
         CaptioningModule(net=net, advantage="word")
 
@@ -241,10 +243,13 @@ def test_baseline_is_a_buffer() -> None:
     assert moved.value.dtype == torch.float64  # follows the module across dtype/device moves
     if torch.cuda.is_available():
         assert b.to("cuda").value.is_cuda
-    # The LightningModule holds it, so it is saved with checkpoints.
-    module = CaptioningModule(net=CaptionerConfig(vocab_size=V, backbone="resnet18",
-                                                  hidden_dim=16, embed_dim=16, attn_dim=16))
-    assert "baseline.value" in module.state_dict()
+    # The hard-attention objective holds it, so it is saved with checkpoints; a soft model's
+    # maximum-likelihood objective has no baseline.
+    net = CaptionerConfig(vocab_size=V, backbone="resnet18", hidden_dim=16, embed_dim=16,
+                          attn_dim=16)
+    assert "objective.baseline.value" in CaptioningModule(
+        net=replace(net, attention="hard")).state_dict()
+    assert not any("baseline" in k for k in CaptioningModule(net=net).state_dict())
 
 
 # -- one SGD step on the surrogate --------------------------------------------------------------
@@ -456,16 +461,17 @@ def test_hard_training_with_extreme_inputs_stays_finite(advantage: str) -> None:
     for step in range(30):
         feats, caps, lengths = random_batch(8, seed=100 + step)
         feats = torch.randn(8, L, 512) * 1e3  # huge annotation vectors
-        parts = module._losses(SimpleNamespace(images=feats, captions=caps, lengths=lengths), feats)
+        parts = module.losses(SimpleNamespace(images=feats, captions=caps, lengths=lengths), feats)
         assert all(torch.isfinite(v).all() for v in parts.values()), parts
         opt.zero_grad()
         parts["loss"].backward()
         assert all(torch.isfinite(p.grad).all() for p in module.parameters() if p.grad is not None)
         opt.step()
     assert all(torch.isfinite(p).all() for p in module.parameters())
-    assert torch.isfinite(module.baseline.value) and module.baseline.value.item() != 0.0
+    baseline = module.objective.baseline.value
+    assert torch.isfinite(baseline) and baseline.item() != 0.0
     if advantage == "token":  # the per-word baseline moved for the target words (END, 4..V-1)
-        b = module.token_baseline.value
+        b = module.objective.token_baseline.value
         assert torch.isfinite(b).all() and bool((b[[END, *range(4, V)]] < 0).all())
         assert bool((b[[PAD, START, 3]] == 0).all())  # never a target
 
@@ -480,7 +486,7 @@ def test_expected_context_baseline_scores_the_sampled_captions_without_gradient(
     batch = SimpleNamespace(images=feats, captions=caps, lengths=lengths)
     rows = torch.tensor([True, False, True, True, False, False])
     T = int(lengths.max()) - 1
-    ll = module._expected_word_ll(feats, batch, rows, T)
+    ll = expected_word_log_likelihoods(module.captioner, feats, batch, rows, T)
     assert ll.shape == (6, T) and not ll.requires_grad
     assert bool((ll[~rows] == 0).all())
     dec = module.captioner.decoder
@@ -490,6 +496,6 @@ def test_expected_context_baseline_scores_the_sampled_captions_without_gradient(
     torch.testing.assert_close(ll[rows], expected[rows])
     assert bool((ll[rows][mask[rows]] < 0).all())
     # The training loss runs with it and the scorer learns (REINFORCE + entropy only).
-    parts = module._losses(batch, feats)
+    parts = module.losses(batch, feats)
     parts["loss"].backward()
     assert all(p.grad is not None and bool(p.grad.any()) for p in dec.attention.parameters())

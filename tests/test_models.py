@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from captioning.decoding import greedy_search
 from captioning.lit_module import CaptioningModule
 from captioning.losses import masked_cross_entropy, sequence_log_likelihood, target_mask
 from captioning.models import AttentionLSTMDecoder, Captioner, CaptionerConfig, CNNEncoder
 from captioning.models.decoder import DecoderOutput
+from captioning.models.decoding import greedy_search
 
 V, D, L = 12, 16, 6  # vocabulary (4 specials + 8 words), feature dim, locations
 PAD, START, END = 0, 1, 2
@@ -198,7 +198,7 @@ def test_soft_gradients_reach_every_decoder_parameter_not_the_frozen_encoder() -
     torch.manual_seed(6)
     module = make_module(attention="soft").train()
     feats = torch.randn(4, 4, 512)
-    module._losses(batch_for(feats), feats)["loss"].backward()
+    module.losses(batch_for(feats), feats)["loss"].backward()
     dec = list(module.captioner.decoder.named_parameters())
     assert_all_nonzero_grads(dec)
     # Every gradient is also much larger than round-off (no parameter that only sees noise).
@@ -211,7 +211,7 @@ def test_hard_full_objective_reaches_every_parameter() -> None:
     torch.manual_seed(7)
     module = make_module(attention="hard", semi_sampling_prob=0.5).train()
     feats = torch.randn(8, 4, 512)
-    parts = module._losses(batch_for(feats, seed=7), feats)
+    parts = module.losses(batch_for(feats, seed=7), feats)
     assert {"reinforce", "attn_entropy", "baseline", "reward"} <= set(parts)  # some sampled
     assert parts["reinforce"].requires_grad and parts["reinforce"].item() != 0.0
     parts["loss"].backward()
@@ -228,7 +228,7 @@ def test_finetuned_encoder_gets_gradients(attention: str) -> None:
                          semi_sampling_prob=0.0).train()
     assert module.captioner.encoder.body.training
     images = torch.randn(2, 3, 64, 64)
-    module._losses(batch_for(images, seed=8))["loss"].backward()
+    module.losses(batch_for(images, seed=8))["loss"].backward()
     assert_all_nonzero_grads(list(module.captioner.named_parameters()))
 
 

@@ -1,4 +1,5 @@
-"""Data: image loading, annotation readers, the shapes dataset and the Lightning data module.
+"""Data: image loading, annotation readers, the shapes dataset, data sources, datasets,
+samplers and the Lightning data module.
 
 Names are imported lazily, so `from captioning.data.images import load_image` does not pull in
 Lightning.
@@ -17,8 +18,12 @@ _EXPORTS: dict[str, str] = {
     "COLORS": "shapes", "SHAPES": "shapes", "SIZES": "shapes", "generate_shapes": "shapes",
     "load_boxes": "shapes", "parse_objects": "shapes", "scene_objects": "shapes",
     "IMAGENET_MEAN": "transforms", "IMAGENET_STD": "transforms",
-    "BucketBatchSampler": "datamodule", "CaptionBatch": "datamodule",
-    "CaptionDataModule": "datamodule", "build_image_transform": "transforms",
+    "boxes_to_crop_coords": "transforms", "build_image_transform": "transforms",
+    "CocoCaptions": "sources", "DataSource": "sources", "KarpathySplits": "sources",
+    "ObjectBoxes": "sources", "ShapesSource": "sources",
+    "CaptionBatch": "datasets", "CaptionCollate": "datasets", "collate_captions": "datasets",
+    "BucketBatchSampler": "samplers", "EpochShuffleSampler": "samplers",
+    "CaptionDataModule": "datamodule",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -55,7 +55,7 @@ class FeatureCache:
     """Read-only view of a built cache: `cache[path] -> (L, D) float16 tensor`.
 
     Grids stay float16 through loading, collation and the host-to-device copy (half the bytes);
-    the LightningModule casts them after the transfer.
+    `Captioner.encode` casts them on the device.
     """
 
     def __init__(self, array_path: str | Path, index: dict[str, int]) -> None:
@@ -173,37 +173,28 @@ class FeatureCache:
         return cls(cache_dir / f"{key}.npy", {str(p): i for i, p in enumerate(paths)})
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`captioning cache-features --config ... [--data.* ...]`: build the caches, no training.
+def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any], *,
+                         strategy: Any = None, device: str | torch.device | None = None) -> None:
+    """Serve `datamodule`'s inputs from the feature cache of a frozen `encoder`: the one attach
+    path of `fit`, `cache-features` and the benchmark.
 
-    Takes the same config files and overrides as `captioning fit`; builds (or finds) the
-    feature cache of every non-empty split for the model's frozen encoder, on the trainer's
-    device, and logs where each one is.
+    `key` is what the grids depend on besides the images (`Captioner.feature_cache_key()`).
+    With a Lightning `strategy` (several processes), rank zero builds the cache while the
+    others wait at a barrier, then open it. Building never shifts the RNG streams.
     """
-    import sys
+    from lightning.pytorch.utilities.seed import isolate_rng
 
-    from captioning.cli import _lightning_cli
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(main.__doc__)
-        print("Options are those of `captioning fit` (see `captioning fit --help`).")
-        return 0
-    cli = _lightning_cli(args, run=False)
-    model, dm = cli.model, cli.datamodule
-    if model.net_config.finetune_encoder:
-        log.error("net.finetune_encoder is true: a fine-tuned encoder's features are never "
-                  "cached (training runs the CNN on every batch)")
-        return 2
-    if not getattr(dm, "feature_cache", False):
-        log.warning("data.feature_cache is false: training will not use the cache built now")
-    device = cli.trainer.strategy.root_device
-    dm.use_encoder_cache(model.captioner.encoder, model.feature_cache_key(), device=device)
-    caches = dm.cache_features()
-    for split, cache in caches.items():
-        log.info("%s: %d images, grids %s -> %s", split, len(cache), tuple(cache.shape),
-                 cache.array_path)
-    return 0
+    if device is None and strategy is not None:
+        device = strategy.root_device
+    with isolate_rng():
+        if strategy is None:
+            datamodule.use_encoder_cache(encoder, key, device=device)
+            return
+        if strategy.is_global_zero:
+            datamodule.use_encoder_cache(encoder, key, device=device)
+        strategy.barrier("feature-cache")
+        if not strategy.is_global_zero:
+            datamodule.use_encoder_cache(encoder, key, device=device)
 
 
 def _progress(total: int, enabled: bool, desc: str) -> Any:

@@ -7,9 +7,11 @@ applied, and turns every failure into an `ImageLoadError` that names the file an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -130,6 +132,16 @@ def to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+@contextlib.contextmanager
+def _open(path: Path) -> Iterator[Image.Image]:
+    """`Image.open(path)` without Pillow's decompression-bomb warning: images up to
+    `max_pixels()` are accepted; beyond it Pillow raises the error that `_classify` reports."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(path) as im:
+            yield im
+
+
 def load_image(path: str | os.PathLike[str], *, min_side: int | None = None) -> Image.Image:
     """Open `path` as an RGB image with its EXIF orientation applied.
 
@@ -140,16 +152,14 @@ def load_image(path: str | os.PathLike[str], *, min_side: int | None = None) -> 
     path = Path(path)
     _precheck(path)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
-                if min_side is not None and im.format == "JPEG":
-                    im.draft(im.mode, (min_side, min_side))
-                im.load()
-                try:
-                    ImageOps.exif_transpose(im, in_place=True)
-                except Exception as e:  # a broken EXIF block must not lose the image
-                    log.debug("%s: ignoring unreadable EXIF orientation (%s)", path, e)
+        with _open(path) as im:
+            if min_side is not None and im.format == "JPEG":
+                im.draft(im.mode, (min_side, min_side))
+            im.load()
+            try:
+                ImageOps.exif_transpose(im, in_place=True)
+            except Exception as e:  # a broken EXIF block must not lose the image
+                log.debug("%s: ignoring unreadable EXIF orientation (%s)", path, e)
     except Exception as e:
         raise _classify(path, e) from e
     try:
@@ -196,13 +206,11 @@ def check_image(path: str | os.PathLike[str]) -> tuple[int, int]:
     path = Path(path)
     _precheck(path)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
-                w, h = im.size
-                fmt = im.format
-                orientation = _header_orientation(im)
-                im.verify()
+        with _open(path) as im:
+            w, h = im.size
+            fmt = im.format
+            orientation = _header_orientation(im)
+            im.verify()
     except Exception as e:
         raise _classify(path, e) from e
     if not image_size_ok(w, h):

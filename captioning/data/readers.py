@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,10 +24,10 @@ from typing import Any, Literal
 from captioning.vocab import tokenize
 
 try:  # the tokenizer's own pattern: search() is findall() != [] without building the list
-    from captioning.vocab import _TOKEN_RE
+    from captioning.vocab import TOKEN_RE
 
     def _has_tokens(text: str) -> bool:
-        return _TOKEN_RE.search(text.lower()) is not None
+        return TOKEN_RE.search(text.lower()) is not None
 except ImportError:  # pragma: no cover
 
     def _has_tokens(text: str) -> bool:
@@ -100,12 +100,39 @@ def check_policy(on_error: str) -> None:
         raise ValueError(f"on_error must be 'fail' or 'skip', got {on_error!r}")
 
 
-def _finish(records: list[ImageRecord], problems: list[Problem], on_error: str,
-            skipped_images: int, skipped_captions: int) -> Records:
-    if problems and on_error == "fail":
-        raise DataError(problems)
-    return Records(records, problems=problems, skipped_images=skipped_images,
-                   skipped_captions=skipped_captions)
+class _Report:
+    """The problems found in one file, and how many image entries and captions were skipped."""
+
+    def __init__(self, fname: str) -> None:
+        self.fname = fname
+        self.problems: list[Problem] = []
+        self.skipped_images = 0
+        self.skipped_captions = 0
+
+    def add(self, entry: str, field: str, message: str | None) -> None:
+        """Record a problem of `entry`'s `field`; a None `message` means there is none."""
+        if message is not None:
+            self.problems.append(Problem(self.fname, entry, field, message))
+
+    def objects(self, items: list, name: str, *,
+                captions: bool = False) -> Iterator[tuple[int, dict]]:
+        """(index, entry) for the entries of the list `name` that are JSON objects; every other
+        entry is a problem and a skipped image entry (a skipped caption with `captions`)."""
+        for i, item in enumerate(items):
+            if isinstance(item, dict):
+                yield i, item
+                continue
+            self.add(f"{name}[{i}]", "(entry)", f"expected an object, got {_type_name(item)}")
+            if captions:
+                self.skipped_captions += 1
+            else:
+                self.skipped_images += 1
+
+    def finish(self, records: list[ImageRecord], on_error: str) -> Records:
+        if self.problems and on_error == "fail":
+            raise DataError(self.problems)
+        return Records(records, problems=self.problems, skipped_images=self.skipped_images,
+                       skipped_captions=self.skipped_captions)
 
 
 def _type_name(value: Any) -> str:
@@ -147,6 +174,23 @@ def _valid_id(value: Any) -> bool:
         isinstance(value, str) and value != "")
 
 
+def _id_problem(item: dict, key: str) -> str | None:
+    """Why `item[key]` is not a usable image id, or None when it is fine."""
+    if key not in item:
+        return "missing image id"
+    if not _valid_id(item[key]):
+        return f"expected an int or non-empty string, got {_type_name(item[key])}"
+    return None
+
+
+def _name_problem(item: dict, key: str) -> str | None:
+    """Why `item[key]` is not a usable file name (a non-empty string), or None."""
+    value = item.get(key)
+    if isinstance(value, str) and value:
+        return None
+    return "missing" if key not in item else f"expected a non-empty string, got {value!r}"
+
+
 def _caption_problem(raw: Any) -> str | None:
     """Why a raw caption is unusable, or None when it is fine."""
     if not isinstance(raw, str):
@@ -180,60 +224,43 @@ def read_karpathy(
     """
     check_policy(on_error)
     file = Path(split_file)
-    fname = str(file)
+    report = _Report(str(file))
     root = str(image_root)
     images = _top_list(_load_json(file, _drop_tokens), file, "images")
 
-    problems: list[Problem] = []
     records: list[ImageRecord] = []
     seen: dict[Any, int] = {}
-    skipped_images = skipped_captions = 0
     split_names = frozenset(SPLITS)
 
-    for i, item in enumerate(images):
-        if not isinstance(item, dict):
-            problems.append(Problem(fname, f"images[{i}]", "(entry)",
-                                    f"expected an object, got {_type_name(item)}"))
-            skipped_images += 1
-            continue
+    for i, item in report.objects(images, "images"):
         id_field = "cocoid" if "cocoid" in item else "imgid"
         image_id = item.get(id_field)
         entry = f"images[{i}] (id {image_id!r})"
-        n_before = len(problems)
+        n_before = len(report.problems)
 
-        if id_field not in item:
-            problems.append(Problem(fname, entry, "cocoid/imgid", "missing image id"))
-        elif not _valid_id(image_id):
-            problems.append(Problem(fname, entry, id_field,
-                                    f"expected an int or non-empty string, got "
-                                    f"{_type_name(image_id)}"))
+        why = _id_problem(item, id_field)
+        if why is not None:
+            report.add(entry, id_field if id_field in item else "cocoid/imgid", why)
         elif image_id in seen:
-            problems.append(Problem(fname, entry, id_field,
-                                    f"duplicate image id (first at images[{seen[image_id]}])"))
+            report.add(entry, id_field, f"duplicate image id (first at images[{seen[image_id]}])")
         else:
             seen[image_id] = i
 
         filename = item.get("filename")
-        if not isinstance(filename, str) or not filename:
-            problems.append(Problem(fname, entry, "filename",
-                                    "missing" if "filename" not in item else
-                                    f"expected a non-empty string, got {filename!r}"))
+        report.add(entry, "filename", _name_problem(item, "filename"))
         filepath = item.get("filepath", "")
         if not isinstance(filepath, str):
-            problems.append(Problem(fname, entry, "filepath",
-                                    f"expected a string, got {_type_name(filepath)}"))
+            report.add(entry, "filepath", f"expected a string, got {_type_name(filepath)}")
         split = item.get("split")
         if split not in split_names:
-            problems.append(Problem(fname, entry, "split",
-                                    "missing" if "split" not in item else
-                                    f"unknown split {split!r} (expected one of {SPLITS})"))
+            report.add(entry, "split", "missing" if "split" not in item else
+                       f"unknown split {split!r} (expected one of {SPLITS})")
         sentences = item.get("sentences")
         if not isinstance(sentences, list):
-            problems.append(Problem(fname, entry, "sentences",
-                                    "missing" if "sentences" not in item else
-                                    f"expected a list, got {_type_name(sentences)}"))
-        if len(problems) > n_before:
-            skipped_images += 1
+            report.add(entry, "sentences", "missing" if "sentences" not in item else
+                       f"expected a list, got {_type_name(sentences)}")
+        if len(report.problems) > n_before:
+            report.skipped_images += 1
             continue
 
         captions: list[str] = []
@@ -250,18 +277,18 @@ def read_karpathy(
             if why is None:
                 captions.append(raw.strip())
             else:
-                problems.append(Problem(fname, entry, field, why))
-                skipped_captions += 1
+                report.add(entry, field, why)
+                report.skipped_captions += 1
         if not captions:
-            problems.append(Problem(fname, entry, "sentences", "no usable captions"))
-            skipped_images += 1
+            report.add(entry, "sentences", "no usable captions")
+            report.skipped_images += 1
             continue
         if split == "restval" and merge_restval:
             split = "train"
         path = Path(os.path.join(root, filepath, filename))
         records.append(ImageRecord(image_id, path, split, tuple(captions)))
 
-    return _finish(records, problems, on_error, skipped_images, skipped_captions)
+    return report.finish(records, on_error)
 
 
 def read_coco_captions(
@@ -279,44 +306,31 @@ def read_coco_captions(
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     file = Path(annotations_file)
-    fname = str(file)
+    report = _Report(str(file))
     root = str(image_dir)
     data = _load_json(file)
     images = _top_list(data, file, "images")
     annotations = _top_list(data, file, "annotations")
 
-    problems: list[Problem] = []
-    skipped_images = skipped_captions = 0
     entries: list[tuple[int, Any, str]] = []  # (index, id, file_name) of good image entries
     index_of: dict[Any, int] = {}
     bad_ids: set[Any] = set()
 
-    for i, item in enumerate(images):
-        if not isinstance(item, dict):
-            problems.append(Problem(fname, f"images[{i}]", "(entry)",
-                                    f"expected an object, got {_type_name(item)}"))
-            skipped_images += 1
-            continue
+    for i, item in report.objects(images, "images"):
         image_id = item.get("id")
         entry = f"images[{i}] (id {image_id!r})"
-        n_before = len(problems)
-        if "id" not in item:
-            problems.append(Problem(fname, entry, "id", "missing image id"))
-        elif not _valid_id(image_id):
-            problems.append(Problem(fname, entry, "id",
-                                    f"expected an int or non-empty string, got "
-                                    f"{_type_name(image_id)}"))
+        n_before = len(report.problems)
+        why = _id_problem(item, "id")
+        if why is not None:
+            report.add(entry, "id", why)
         elif image_id in index_of or image_id in bad_ids:
             first = index_of.get(image_id)
             where = f" (first at images[{first}])" if first is not None else ""
-            problems.append(Problem(fname, entry, "id", f"duplicate image id{where}"))
+            report.add(entry, "id", f"duplicate image id{where}")
         file_name = item.get("file_name")
-        if not isinstance(file_name, str) or not file_name:
-            problems.append(Problem(fname, entry, "file_name",
-                                    "missing" if "file_name" not in item else
-                                    f"expected a non-empty string, got {file_name!r}"))
-        if len(problems) > n_before:
-            skipped_images += 1
+        report.add(entry, "file_name", _name_problem(item, "file_name"))
+        if len(report.problems) > n_before:
+            report.skipped_images += 1
             if _valid_id(image_id):
                 bad_ids.add(image_id)
             continue
@@ -324,12 +338,7 @@ def read_coco_captions(
         entries.append((i, image_id, file_name))
 
     captions: dict[Any, list[str]] = {image_id: [] for _, image_id, _ in entries}
-    for j, ann in enumerate(annotations):
-        if not isinstance(ann, dict):
-            problems.append(Problem(fname, f"annotations[{j}]", "(entry)",
-                                    f"expected an object, got {_type_name(ann)}"))
-            skipped_captions += 1
-            continue
+    for j, ann in report.objects(annotations, "annotations", captions=True):
         image_id = ann.get("image_id")
         entry = f"annotations[{j}] (id {ann.get('id')!r}, image_id {image_id!r})"
         if "image_id" not in ann:
@@ -346,18 +355,18 @@ def read_coco_captions(
         if why is None:
             captions[image_id].append(raw.strip())
         else:
-            problems.append(Problem(fname, entry, field, why))
-            skipped_captions += 1
+            report.add(entry, field, why)
+            report.skipped_captions += 1
 
     records: list[ImageRecord] = []
     for i, image_id, file_name in entries:
         caps = captions[image_id]
         if not caps:
-            problems.append(Problem(fname, f"images[{i}] (id {image_id!r})", "annotations",
-                                    "image has no usable captions"))
-            skipped_images += 1
+            report.add(f"images[{i}] (id {image_id!r})", "annotations",
+                       "image has no usable captions")
+            report.skipped_images += 1
             continue
         records.append(ImageRecord(image_id, Path(os.path.join(root, file_name)), split,
                                    tuple(caps)))
 
-    return _finish(records, problems, on_error, skipped_images, skipped_captions)
+    return report.finish(records, on_error)

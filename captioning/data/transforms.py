@@ -1,11 +1,12 @@
-"""The image transform shared by training, evaluation, the feature cache and the caption CLI.
+"""The image transform shared by training, evaluation, the feature cache and the caption CLI,
+and `boxes_to_crop_coords`, which maps boxes through the eval transform's geometry.
 
 Kept free of Lightning so that `captioning caption` starts fast.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,3 +27,33 @@ def build_image_transform(image_size: int, *, train: bool = False,
     ops += [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True),
             v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     return v2.Compose(ops)
+
+
+def boxes_to_crop_coords(
+    bbox: Sequence[float], width: int, height: int, *, size: int | None = None
+) -> tuple[float, float, float, float]:
+    """A pixel box [x, y, w, h] of a `width` x `height` image, in normalised [0, 1] xywh of the
+    model input made by the eval transform: resize the shorter side, then centre-crop a square.
+
+    The visible square is the centred min(width, height) square of the original image; boxes
+    are clipped to it (a box entirely outside gets zero width/height). With `size` (the crop
+    side in pixels) torchvision's rounding of Resize(size) + CenterCrop(size) is reproduced
+    exactly; without it the continuous geometry is used (they differ by under a pixel).
+    """
+    x, y, w, h = (float(v) for v in bbox)
+    if size is None:
+        side = float(min(width, height))
+        sx = sy = 1.0 / side
+        left, top = (width - side) / 2.0 * sx, (height - side) / 2.0 * sy
+    else:
+        # torchvision Resize(int): shorter side -> size, longer side truncated to int
+        if width <= height:
+            new_w, new_h = size, int(size * height / width)
+        else:
+            new_w, new_h = int(size * width / height), size
+        sx, sy = new_w / width / size, new_h / height / size
+        left = round((new_w - size) / 2.0) / size  # CenterCrop offsets (Python round)
+        top = round((new_h - size) / 2.0) / size
+    x0, y0 = min(max(x * sx - left, 0.0), 1.0), min(max(y * sy - top, 0.0), 1.0)
+    x1, y1 = min(max((x + w) * sx - left, 0.0), 1.0), min(max((y + h) * sy - top, 0.0), 1.0)
+    return x0, y0, x1 - x0, y1 - y0

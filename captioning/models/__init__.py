@@ -1,7 +1,8 @@
-"""Pure-torch model: encoder, attention, decoder, captioner."""
+"""Pure-torch model: encoder, attention, decoder, decoding, captioner."""
 
-from captioning.models.captioner import Captioner, CaptionerConfig
+from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.decoder import AttentionLSTMDecoder, DecoderOutput, DecoderState, Memory
+from captioning.models.decoding import Generation, SpecialIds
 from captioning.models.encoder import BACKBONES, CNNEncoder
 
 __all__ = [
@@ -10,7 +11,10 @@ __all__ = [
     "CNNEncoder",
     "Captioner",
     "CaptionerConfig",
+    "DecodeConfig",
     "DecoderOutput",
     "DecoderState",
+    "Generation",
     "Memory",
+    "SpecialIds",
 ]

@@ -138,3 +138,15 @@ class CNNEncoder(nn.Module):
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
             x = self.pool(self.body(images))  # (B, D, gh, gw)
         return x.flatten(2).transpose(1, 2).contiguous()  # (B, L, D)
+
+
+def fingerprint(weights: nn.Module | dict[str, Tensor]) -> str:
+    """A short hash of a module's weights (or of a state dict): feature caches are keyed by it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    state = weights if isinstance(weights, dict) else weights.state_dict()
+    for name, t in sorted(state.items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

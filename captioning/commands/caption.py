@@ -21,11 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from captioning.commands.errors import error
+
 if TYPE_CHECKING:  # imported at run time only inside the command (fast start)
     import torch
 
     from captioning.checkpoint import LoadedModel
-    from captioning.decoding import Generation
+    from captioning.models.captioner import DecodeConfig
+    from captioning.models.decoding import Generation
 
 log = logging.getLogger(__name__)
 
@@ -126,31 +129,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _error(message: str) -> None:
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
+def _checked_inputs(a: argparse.Namespace) -> Inputs | None:
+    """The expanded inputs, or None after reporting why there is nothing to caption."""
+    for name in ("beam_size", "max_len", "batch_size"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+            return None
+    if not a.inputs:
+        error("no inputs: give image files, folders or glob patterns")
+        return None
+    inputs = expand_inputs(a.inputs)
+    if not inputs.paths:
+        for msg in inputs.problems:
+            error(msg)
+        error("no images to caption")
+        return None
+    return inputs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status."""
-    parser = _parser()
     try:
-        a = parser.parse_args(argv)
+        a = _parser().parse_args(argv)
     except SystemExit as e:  # --help or a usage error (argparse printed the message)
         return int(e.code) if isinstance(e.code, int) else 2
-    for name in ("beam_size", "max_len", "batch_size"):
-        value = getattr(a, name)
-        if value is not None and value < 1:
-            _error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-            return 2
-    if not a.inputs:
-        _error("no inputs: give image files, folders or glob patterns")
-        return 2
-    inputs = expand_inputs(a.inputs)
-    if not inputs.paths:
-        for msg in inputs.problems:
-            _error(msg)
-        _error("no images to caption")
+    inputs = _checked_inputs(a)
+    if inputs is None:
         return 2
 
     import torch
@@ -158,25 +163,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     from captioning.checkpoint import CheckpointError, load_checkpoint
 
     if a.device == "cuda" and not torch.cuda.is_available():
-        _error("--device cuda: no CUDA device is available")
+        error("--device cuda: no CUDA device is available")
         return 2
     device = torch.device("cuda" if a.device != "cpu" and torch.cuda.is_available() else "cpu")
     try:
         model = load_checkpoint(a.checkpoint, map_location="cpu")
     except CheckpointError as e:
-        _error(str(e))
+        error(str(e))
         return 2
     model.captioner.to(device)
     for msg in inputs.problems:
-        _error(msg)
-    failed = len(inputs.problems)
-    start, done = time.perf_counter(), 0
-    names = overlay_names(inputs.paths) if a.overlay else []
+        error(msg)
+    start = time.perf_counter()
+    done, failed = _caption_all(a, model, inputs.paths, device)
+    if done < 0:
+        return 1
+    failed += len(inputs.problems)
+    log.info("captioned %d image(s) in %.1f s on %s%s", done, time.perf_counter() - start,
+             device, f", {failed} failed" if failed else "")
+    return 1 if failed else 0
+
+
+def _caption_all(a: argparse.Namespace, model: LoadedModel, paths: list[Path],
+                 device: torch.device) -> tuple[int, int]:
+    """Caption `paths` batch by batch, printing as it goes: (captioned, failed); captioned is
+    -1 when stdout went away."""
+    failed = done = 0
+    names = overlay_names(paths) if a.overlay else []
     out_dir = Path(a.overlay) if a.overlay else None
     settings = _decoding(model.decode, a.beam_size, a.max_len)
-    for batch in _batches(inputs.paths, model.config.image_size, a.batch_size):
+    for batch in _batches(paths, model.config.image_size, a.batch_size):
         for _path, reason in batch.failures:
-            _error(reason)
+            error(reason)
         failed += len(batch.failures)
         if not batch.paths:
             continue
@@ -191,24 +209,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
         except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115  # no flush error at exit
-            return 1
+            return -1, failed
         done += len(batch.paths)
-    seconds = time.perf_counter() - start
-    log.info("captioned %d image(s) in %.1f s on %s%s", done, seconds, device,
-             f", {failed} failed" if failed else "")
-    return 1 if failed else 0
+    return done, failed
 
 
-def _decoding(decode: dict[str, Any], beam_size: int | None,
-              max_len: int | None) -> dict[str, Any]:
-    """generate() keywords: the checkpoint's settings, overridden by the options.
+def _decoding(decode: DecodeConfig, beam_size: int | None,
+              max_len: int | None) -> DecodeConfig:
+    """The checkpoint's decoding settings, overridden by the options; always a beam search.
 
     A checkpoint evaluated greedily defaults to beam 1, which is the same search."""
-    default_beam = 1 if decode.get("eval_strategy") == "greedy" else int(decode["beam_size"])
-    return {"strategy": "beam", "beam_size": beam_size or default_beam,
-            "max_len": max_len or int(decode["max_len"]),
-            "length_penalty": float(decode["length_penalty"]),
-            "forbid_unk": bool(decode["forbid_unk"])}
+    from dataclasses import replace
+
+    default_beam = 1 if decode.strategy == "greedy" else decode.beam_size
+    return replace(decode, strategy="beam", beam_size=beam_size or default_beam,
+                   max_len=max_len or decode.max_len)
 
 
 @dataclass
@@ -245,20 +260,19 @@ def _batches(paths: Sequence[Path], image_size: int, batch_size: int) -> Iterato
 
 
 def _caption_batch(model: LoadedModel, batch: _Batch, device: torch.device,
-                   settings: dict[str, Any]) -> tuple[list[dict[str, Any]], Generation]:
+                   settings: DecodeConfig) -> tuple[list[dict[str, Any]], Generation]:
     """Decode one batch: one record per image (path, caption, score, tokens, finished)."""
     import torch
 
+    from captioning.evaluation import caption_words
+
     with torch.inference_mode():
-        gen = model.captioner.generate(batch.images.to(device), **settings)
-    tokens, lengths = gen.tokens.tolist(), gen.lengths.tolist()
+        gen = model.captioner.generate(batch.images.to(device), settings)
+    _, texts = caption_words(gen, model.vocab)
     scores, finished = gen.scores.tolist(), gen.finished.tolist()
-    records = []
-    for i, path in enumerate(batch.paths):
-        words = model.vocab.decode(tokens[i][: lengths[i]])
-        records.append({"path": str(path), "caption": " ".join(words), "score": scores[i],
-                        "tokens": words, "finished": bool(finished[i])})
-    return records, gen
+    return [{"path": str(path), "caption": text, "score": scores[i], "tokens": text.split(),
+             "finished": bool(finished[i])}
+            for i, (path, text) in enumerate(zip(batch.paths, texts))], gen
 
 
 def _write_overlays(model: LoadedModel, batch: _Batch, gen: Generation,
@@ -266,12 +280,10 @@ def _write_overlays(model: LoadedModel, batch: _Batch, gen: Generation,
                     targets: Sequence[Path]) -> int:
     """One strip per image: the α map of every emitted word (hard models mark the location).
     Returns the number of strips that could not be written (each reported on stderr)."""
+    from captioning.evaluation import caption_words
     from captioning.viz import render_strips, save_strip_png
 
-    tokens, lengths = gen.tokens.tolist(), gen.lengths.tolist()
-    itos, end = model.vocab.itos, model.vocab.end_id
-    # every emitted word but the final <end>, so that word t is drawn over α_t
-    words = [[itos[t] for t in tokens[i][: lengths[i]] if t != end] for i in range(len(targets))]
+    words, _ = caption_words(gen, model.vocab)  # word t is drawn over α_t
     hard = model.config.attention == "hard"
     strips = render_strips(batch.images.to(device), gen.alphas, model.captioner.grid, words,
                            points=gen.locations if hard else None).cpu()
@@ -281,6 +293,6 @@ def _write_overlays(model: LoadedModel, batch: _Batch, gen: Generation,
         try:
             rec["overlay"] = str(save_strip_png(strip[:, : width * (len(ws) + 1)], target))
         except OSError as e:
-            _error(f"{target}: cannot write the overlay ({e.strerror or e})")
+            error(f"{target}: cannot write the overlay ({e.strerror or e})")
             failed += 1
     return failed

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from captioning.cli import CONFIG_DIR, _lightning_cli
+from captioning.commands.lightning import CONFIG_DIR, lightning_cli
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args += ["--config", str(cfg)]
     args += overrides
     start = time.perf_counter()
-    cli = _lightning_cli(args)
+    cli = lightning_cli(args)
     trainer, model, dm = cli.trainer, cli.model, cli.datamodule
     ckpt = trainer.checkpoint_callback
     best = ckpt.best_model_path if ckpt is not None and ckpt.best_model_path else None

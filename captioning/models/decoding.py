@@ -8,13 +8,12 @@ reordered; only the recurrent state is gathered.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # type-only: importing captioning.models here would be circular
-    from captioning.models.decoder import DecoderState, Memory
+from captioning.models.decoder import DecoderState, Memory
 
 NEG_INF = float("-inf")
 

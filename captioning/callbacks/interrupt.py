@@ -1,0 +1,189 @@
+"""`CheckpointOnInterrupt`: Ctrl-C and SIGTERM stop training cleanly and leave `last.ckpt`
+where `--ckpt_path last` finds it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointOnInterrupt(L.Callback):
+    """Save the last checkpoint when `fit` is interrupted, so that `--ckpt_path last` resumes.
+
+    Interruptions are Ctrl-C (SIGINT), SIGTERM and a `KeyboardInterrupt` raised anywhere in the
+    training loop. With `graceful_sigint` (the default) the first Ctrl-C during training asks
+    for the same clean stop Lightning gives SIGTERM: the current batch finishes, then training
+    stops; a second Ctrl-C interrupts at once. Either way the trainer state (weights, optimiser,
+    loops, callbacks, RNG states) is written to the `ModelCheckpoint`'s last-checkpoint path
+    (`dirpath/last.ckpt`, where `ckpt_path="last"` looks) before the run ends, unless a
+    `ModelCheckpoint` already saved its last checkpoint at this very step (e.g. at the end of
+    the epoch the interruption followed): that file is the state to resume. Other exceptions
+    (a non-finite loss, a bug) save nothing: the previous `last.ckpt` stays the one to resume.
+    Nothing is saved when the interruption comes before training started (setup, restoring),
+    so a resume interrupted early never overwrites the checkpoint it resumes from.
+
+    The interruption propagates as before (`KeyboardInterrupt`: Lightning exits with status 1;
+    SIGTERM / graceful Ctrl-C: `SIGTERMException`); the exception gets two attributes,
+    `interrupt` ("SIGINT", "SIGTERM" or "KeyboardInterrupt") and `checkpoint_path`, which the
+    `captioning` command reports.
+
+    Resuming from an epoch boundary reproduces an uninterrupted run exactly (the data order is
+    seeded per epoch and `CaptioningModule` stores the RNG states); a checkpoint taken
+    mid-epoch resumes with a fresh pass over the data for the rest of that epoch.
+    """
+
+    def __init__(self, graceful_sigint: bool = True) -> None:
+        super().__init__()
+        self.graceful_sigint = graceful_sigint
+        self.saved_path: Path | None = None  # the checkpoint written by the last interruption
+        self._training = False
+        self._stop_requested = False
+        self._trainer: L.Trainer | None = None
+        self._previous_handler: Any = None
+        self._epoch_start = False  # saving an interruption that came before the epoch's batches
+
+    # -- lightning hooks -------------------------------------------------------------------
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning installs its SIGTERM handler just before this hook (and restores every
+        # handler at teardown); installing ours here keeps that restore correct.
+        self._training, self._stop_requested, self._trainer = True, False, trainer
+        if self.graceful_sigint and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._on_sigint)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._training = False
+        self._restore_sigint()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore_sigint()
+        self._trainer = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
+        self._restore_sigint()
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, KeyboardInterrupt):
+            cause = "KeyboardInterrupt"
+        elif isinstance(exception, SIGTERMException):
+            cause = "SIGINT" if self._stop_requested else "SIGTERM"
+        else:
+            return
+        with contextlib.suppress(AttributeError):
+            exception.interrupt = cause  # type: ignore[attr-defined]
+        if not self._training or trainer.state.fn != "fit":
+            log.warning("%s before training started: no checkpoint saved", cause)
+            return
+        self._training = False
+        existing = _current_last_checkpoint(trainer)
+        path = existing or self.save(trainer)
+        self.saved_path = path
+        with contextlib.suppress(AttributeError):
+            exception.checkpoint_path = path  # type: ignore[attr-defined]
+        log.warning("%s at epoch %d, step %d: %s %s; resume with `--ckpt_path last`", cause,
+                    trainer.current_epoch, trainer.global_step,
+                    "the last checkpoint is up to date:" if existing else "saved", path)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if self._epoch_start:
+            _as_epoch_boundary(checkpoint)
+
+    # -- work ------------------------------------------------------------------------------
+    def save(self, trainer: L.Trainer) -> Path:
+        """Write the trainer state to `last_checkpoint_path(trainer)`; returns the path."""
+        path = last_checkpoint_path(trainer)
+        for cb in _model_checkpoints(trainer):  # the file is now the last checkpoint
+            if Path(cb.dirpath or "") == path.parent:
+                cb.last_model_path = str(path)
+        # Interrupted in on_train_epoch_start: Lightning would resume such a checkpoint by
+        # skipping the epoch, so it is saved as the boundary before the epoch instead.
+        progress = trainer.fit_loop.epoch_progress.current
+        self._epoch_start = progress.ready == progress.started + 1
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            self._epoch_start = False
+        self.saved_path = path
+        return path
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        trainer = self._trainer
+        connector = getattr(trainer, "_signal_connector", None)
+        if self._stop_requested or connector is None or not hasattr(connector, "received_sigterm"):
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        # Lightning's own graceful-stop flag: the loops raise SIGTERMException at the next
+        # batch (or epoch) boundary, after the step's bookkeeping is complete.
+        connector.received_sigterm = True
+        log.warning("Ctrl-C: stopping after the current batch and saving a checkpoint "
+                    "(press Ctrl-C again to stop at once)")
+
+    def _restore_sigint(self) -> None:
+        if self._previous_handler is not None and \
+                threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._previous_handler)
+        self._previous_handler = None
+
+
+def _as_epoch_boundary(checkpoint: dict[str, Any]) -> None:
+    """Rewrite the loop state of a checkpoint taken in `on_train_epoch_start` into the state of
+    the boundary before that epoch (the epoch not started, its batch counters at zero)."""
+    try:
+        fit = checkpoint["loops"]["fit_loop"]
+        for part in ("total", "current"):
+            fit["epoch_progress"][part]["ready"] = fit["epoch_progress"][part]["started"]
+        for key in ("epoch_loop.batch_progress", "epoch_loop.scheduler_progress",
+                    "epoch_loop.automatic_optimization.optim_progress"):
+            _zero_current(fit[key])
+        fit["epoch_loop.batch_progress"]["is_last_batch"] = False
+    except (KeyError, TypeError) as e:  # another Lightning version's layout
+        log.warning("CheckpointOnInterrupt: unknown loop state layout (%s); the checkpoint may "
+                    "resume after the interrupted epoch", e)
+
+
+def _zero_current(state: dict[str, Any]) -> None:
+    """Zero every per-epoch ("current") progress counter in a loop-progress state dict."""
+    for key, value in state.items():
+        if key == "current" and isinstance(value, dict):
+            state[key] = {k: 0 for k in value}
+        elif isinstance(value, dict):
+            _zero_current(value)
+
+
+def _current_last_checkpoint(trainer: L.Trainer) -> Path | None:
+    """The last checkpoint a `ModelCheckpoint` already wrote at the current step, if any."""
+    for cb in _model_checkpoints(trainer):
+        path = Path(cb.last_model_path) if cb.last_model_path else None
+        if (cb.save_last and path is not None and path.is_file()
+                and getattr(cb, "_last_global_step_saved", None) == trainer.global_step):
+            return path
+    return None
+
+
+def _model_checkpoints(trainer: L.Trainer) -> list[Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return [cb for cb in getattr(trainer, "checkpoint_callbacks", [])
+            if isinstance(cb, ModelCheckpoint)]
+
+
+def last_checkpoint_path(trainer: L.Trainer) -> Path:
+    """Where `ckpt_path="last"` looks: the first `ModelCheckpoint`'s last checkpoint
+    (`dirpath/last.ckpt`); `default_root_dir/checkpoints/last.ckpt` without one."""
+    for cb in _model_checkpoints(trainer):
+        if cb.dirpath:
+            name = f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
+            if "{" in name:  # a formatted last name ("{epoch}-last"): keep the current file
+                return Path(cb.last_model_path or Path(cb.dirpath) / "last.ckpt")
+            return Path(cb.dirpath) / name
+    return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"

@@ -1,0 +1,153 @@
+"""`captioning fit|validate|test|predict --config ...`: LightningCLI with the project's rules.
+
+* checkpoints are checked (missing, unsafe pickle) before Lightning opens them, and read with
+  `torch.load(weights_only=True)`;
+* with `--ckpt_path`, the checkpoint's model hyperparameters replace the config, except for the
+  decoding and output settings the user gave (`USER_WINS`): `--model.decode.beam_size 5` at
+  test time decodes with beam 5;
+* a constructor that refuses a value becomes a `ConfigError` (one line, exit status 2);
+* W&B's folders go inside the logger's `save_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lightning.pytorch.cli import LightningCLI
+
+from captioning.checkpoint import check_checkpoint_file, read_checkpoint, upgrade_hparams
+from captioning.commands.errors import ConfigError, user_error_types
+from captioning.data.datamodule import CaptionDataModule
+from captioning.lit_module import CaptioningModule
+from captioning.models.captioner import DecodeConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+#: Model settings that only affect decoding and outputs: a checkpoint's stored values give way
+#: to the ones the user set in a config file or on the command line.
+USER_WINS = (*(f"model.decode.{f.name}" for f in fields(DecodeConfig)), "model.compute_metrics",
+             "model.results_dir", "model.compile", "model.net.hard_decode")
+
+
+def wandb_dirs(run_dir: str | Path) -> dict[str, str]:
+    """W&B's own folders, all inside the run folder (offline runs leave nothing elsewhere)."""
+    base = Path(run_dir).resolve()
+    return {
+        "WANDB_DIR": str(base),
+        "WANDB_DATA_DIR": str(base / "wandb-data"),
+        "WANDB_CACHE_DIR": str(base / "wandb-cache"),
+        "WANDB_CONFIG_DIR": str(base / "wandb-config"),
+    }
+
+
+def given(args: Sequence[str], key: str) -> bool:
+    """Whether `key` (e.g. "model.decode.beam_size") is set by a flag or a config file in
+    `args` (`--key v`, `--key=v`, `--config FILE`, `--model FILE`)."""
+    group, _, rest = key.partition(".")
+    for i, a in enumerate(args):
+        if a == f"--{key}" or a.startswith(f"--{key}="):
+            return True
+        files = {"--config": key, f"--{group}": rest}
+        if a in files and i + 1 < len(args) and yaml_has(args[i + 1], files[a]):
+            return True
+    return False
+
+
+def yaml_has(path: str, key: str) -> bool:
+    """Whether the YAML file at `path` sets the dotted `key` (class_path/init_args aware)."""
+    try:
+        node: Any = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    for part in key.split("."):
+        if isinstance(node, dict) and part not in node and isinstance(node.get("init_args"), dict):
+            node = node["init_args"]  # class_path / init_args form
+        if not isinstance(node, dict) or node.get(part) is None:
+            return False
+        node = node[part]
+    return True
+
+
+class CaptioningCLI(LightningCLI):
+    """LightningCLI for `CaptioningModule` and `CaptionDataModule` (see the module docstring)."""
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
+                     subparser_kwargs: dict[str, Any]) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        # Checkpoints are loaded with torch.load(weights_only=True) unless asked otherwise.
+        parsers = getattr(self, "_subcommand_parsers", {}) if add_subcommands else {}
+        for parser in [*parsers.values(), *([] if add_subcommands else [self.parser])]:
+            if "weights_only" in parser.get_defaults():
+                parser.set_defaults(weights_only=True)
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        self._raw_args = args
+        super().parse_arguments(parser, args)
+        sub = self.config.get("subcommand")
+        if sub:  # before the checkpoint's hyperparameters are read
+            check_checkpoint_file(self.config[sub].get("ckpt_path"))
+
+    def _parse_ckpt_path(self) -> None:
+        """The checkpoint's model hyperparameters (in today's layout) replace the config's,
+        except the `USER_WINS` settings the user gave."""
+        sub = self.config.get("subcommand")
+        path = self.config[sub].get("ckpt_path") if sub else None
+        if not path or not Path(path).is_file():
+            return
+        hparams = upgrade_hparams(read_checkpoint(path, "cpu", mmap=True)
+                                  .get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
+        user = {k: self.config[sub].get(k) for k in USER_WINS if given(raw, k)}
+        self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
+        for k, v in user.items():
+            self.config[sub][k] = v
+
+    def instantiate_classes(self) -> None:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        try:
+            super().instantiate_classes()
+        except user_error_types():
+            raise
+        except (ValueError, MisconfigurationException, ModuleNotFoundError) as e:
+            # a constructor refused a value, or an option needs a package not installed
+            raise ConfigError(str(e)) from e
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        # The data module owns the vocabulary; the model is sized from it.
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.link_arguments("data.image_size", "model.net.image_size")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        logger = cfg.get("trainer", {}).get("logger")
+        for lg in logger if isinstance(logger, list) else [logger]:
+            if hasattr(lg, "get") and "Wandb" in str(lg.get("class_path", "")):
+                save_dir = lg.get("init_args", {}).get("save_dir") or "."
+                Path(save_dir).mkdir(parents=True, exist_ok=True)
+                for k, v in wandb_dirs(save_dir).items():
+                    os.environ.setdefault(k, v)
+                    Path(v).mkdir(parents=True, exist_ok=True)
+
+
+def lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> CaptioningCLI:
+    """Build (and with `run`, run) the CLI on `args` (None: `sys.argv`). Parse errors raise
+    `ArgumentError`, reported in one line, instead of printing the usage and exiting."""
+    no_exit = {"exit_on_error": False}
+    return CaptioningCLI(
+        CaptioningModule,
+        CaptionDataModule,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={**no_exit, **{c: dict(no_exit) for c in LIGHTNING_COMMANDS}},
+        args=list(args) if args is not None else None,
+        run=run,
+    )

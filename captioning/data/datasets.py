@@ -1,0 +1,223 @@
+"""Datasets and batches: record index -> model input, captions as token ids, collation.
+
+Training items are (image, caption) pairs (`CaptionPairs`); validation/test items are images
+with all their references (`CaptionImages`). Every batch is a `CaptionBatch` sorted by caption
+length, longest first (the soft attention decoder of Xu et al. 2015 shrinks its active batch
+per time step).
+
+The model input of a record comes from an inputs dataset: `ImageInputs` loads and transforms
+images (3, H, W), `CachedInputs` serves cached feature grids (L, D); `collate_captions` stacks
+either.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from captioning.data.images import load_image
+from captioning.data.readers import ImageRecord
+from captioning.vocab import Vocabulary, tokenize
+
+# --------------------------------------------------------------------------------------------
+# Batches
+
+
+@dataclass
+class CaptionBatch:
+    """A batch sorted by `lengths`, longest first."""
+
+    images: Tensor  # (B, 3, H, W) normalised images, or (B, L, D) cached features
+    captions: Tensor  # (B, T) long: <start> w1 .. wn <end> <pad> ...
+    lengths: Tensor  # (B,) long, tokens incl. <start> and <end>
+    image_ids: list = field(default_factory=list)  # len B
+    references: list[list[str]] = field(default_factory=list)  # raw references per item
+
+    def __len__(self) -> int:
+        return len(self.image_ids)
+
+    def pin_memory(self) -> CaptionBatch:
+        return CaptionBatch(self.images.pin_memory(), self.captions.pin_memory(),
+                            self.lengths.pin_memory(), self.image_ids, self.references)
+
+
+# An item: (input tensor, caption ids (T,), image id, raw references)
+Item = tuple[Tensor, Tensor, Any, list[str]]
+
+
+class CaptionCollate:
+    """Stack inputs, pad captions with `pad_id` and sort the batch by length, longest first."""
+
+    def __init__(self, pad_id: int = Vocabulary.pad_id) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items: Sequence[Item]) -> CaptionBatch:
+        items = sorted(items, key=lambda it: -len(it[1]))  # stable: ties keep sampler order
+        lengths = torch.tensor([len(it[1]) for it in items], dtype=torch.long)  # (B,)
+        captions = torch.full((len(items), int(lengths.max())), self.pad_id, dtype=torch.long)
+        for i, it in enumerate(items):
+            captions[i, : len(it[1])] = it[1]
+        images = torch.stack([it[0] for it in items])  # (B, 3, H, W) or (B, L, D)
+        return CaptionBatch(images, captions, lengths, [it[2] for it in items],
+                            [list(it[3]) for it in items])
+
+
+collate_captions = CaptionCollate()
+
+
+# --------------------------------------------------------------------------------------------
+# Model inputs
+
+
+class ImageInputs(Dataset):
+    """Record index -> transformed image tensor (3, H, W). Holds only paths (picklable)."""
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]],
+                 transform: Callable[[Any], Tensor], *, min_side: int | None = None) -> None:
+        self.paths = [str(p) for p in paths]
+        self.transform = transform
+        self.min_side = min_side
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> Tensor:
+        return self.transform(load_image(self.paths[index], min_side=self.min_side))
+
+
+class CachedInputs(Dataset):
+    """Record index -> cached annotation grid (L, D). The cache opens lazily per worker."""
+
+    def __init__(self, cache: Any, paths: Sequence[str | os.PathLike[str]]) -> None:
+        self.cache = cache
+        self.paths = [str(p) for p in paths]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> Tensor:
+        return self.cache[self.paths[index]]
+
+
+# --------------------------------------------------------------------------------------------
+# Captions
+
+
+class EncodedCaptions:
+    """Token ids of many captions in two flat arrays (compact, copy-on-write friendly)."""
+
+    def __init__(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+        self.ids = ids  # (sum of lengths,) int32
+        self.offsets = offsets  # (N + 1,) int64
+        self.lengths = np.diff(offsets)  # (N,)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> Tensor:
+        return torch.from_numpy(self.ids[self.offsets[i]: self.offsets[i + 1]].astype(np.int64))
+
+
+class TokenIndex:
+    """Captions tokenised once (the costly step at COCO scale), stored as word indices.
+
+    `words` lists every distinct token; caption i is `words[flat[offsets[i]:offsets[i+1]]]`.
+    It yields both the word counts for the vocabulary and, given a vocabulary, the encoded
+    captions, so that training captions are tokenised only once.
+    """
+
+    def __init__(self, captions: Iterable[str]) -> None:
+        index: dict[str, int] = {}
+        flat = array("i")
+        lengths = array("q")
+        for caption in captions:
+            tokens = tokenize(caption)
+            flat.extend([index.setdefault(t, len(index)) for t in tokens])
+            lengths.append(len(tokens))
+        self.words = list(index)
+        self.flat = np.frombuffer(flat, dtype=np.int32) if flat else np.zeros(0, np.int32)
+        self.lengths = np.frombuffer(lengths, dtype=np.int64) if lengths else \
+            np.zeros(0, np.int64)
+        self.offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=self.offsets[1:])
+
+    def counts(self) -> dict[str, int]:
+        c = np.bincount(self.flat, minlength=len(self.words))
+        return {w: int(n) for w, n in zip(self.words, c)}
+
+    def encode(self, vocab: Vocabulary, max_words: int) -> EncodedCaptions:
+        """<start> w1 .. wk <end> per caption, k = min(length, max_words)."""
+        n = len(self.lengths)
+        lut = np.array([vocab.stoi.get(w, vocab.unk_id) for w in self.words], dtype=np.int32)
+        body = np.minimum(self.lengths, max_words)  # (N,)
+        out_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(body + 2, out=out_offsets[1:])
+        ids = np.empty(int(out_offsets[-1]), dtype=np.int32)
+        ids[out_offsets[:-1]] = vocab.start_id
+        ids[out_offsets[1:] - 1] = vocab.end_id
+        caption = np.repeat(np.arange(n), body)  # caption of each kept token
+        body_starts = np.zeros(n, dtype=np.int64)
+        np.cumsum(body[:-1], out=body_starts[1:])
+        pos = np.arange(int(body.sum())) - body_starts[caption]  # position within caption
+        ids[out_offsets[:-1][caption] + 1 + pos] = lut[self.flat[self.offsets[:-1][caption] + pos]]
+        return EncodedCaptions(ids, out_offsets)
+
+
+# --------------------------------------------------------------------------------------------
+# Datasets
+
+
+class CaptionDataset(Dataset):
+    """Common part of the caption datasets: the model `inputs` of the records (replaceable in
+    place, e.g. by a feature cache), their ids and raw captions, and encoded captions."""
+
+    def __init__(self, inputs: Dataset, records: Sequence[ImageRecord],
+                 encoded: EncodedCaptions) -> None:
+        self.inputs = inputs
+        self.image_ids = [r.image_id for r in records]
+        self.captions = [r.captions for r in records]
+        self.encoded = encoded
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(N,) caption lengths incl. <start>/<end>, for the length-bucketing sampler."""
+        return self.encoded.lengths
+
+
+class CaptionPairs(CaptionDataset):
+    """Training set: one item per (image, caption) pair."""
+
+    def __init__(self, inputs: Dataset, records: Sequence[ImageRecord],
+                 pair_record: np.ndarray, pair_caption: np.ndarray,
+                 encoded: EncodedCaptions) -> None:
+        super().__init__(inputs, records, encoded)
+        self.pair_record = pair_record
+        self.pair_caption = pair_caption
+
+    def __len__(self) -> int:
+        return len(self.pair_record)
+
+    def __getitem__(self, index: int) -> Item:
+        r = int(self.pair_record[index])
+        raw = self.captions[r][int(self.pair_caption[index])]
+        return self.inputs[r], self.encoded[index], self.image_ids[r], [raw]
+
+
+class CaptionImages(CaptionDataset):
+    """Validation/test set: one item per image; the first reference is encoded (for the loss),
+    every reference is returned raw (for the metrics)."""
+
+    def __len__(self) -> int:
+        return len(self.image_ids)
+
+    def __getitem__(self, index: int) -> Item:
+        return (self.inputs[index], self.encoded[index], self.image_ids[index],
+                list(self.captions[index]))

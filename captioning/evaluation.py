@@ -1,0 +1,128 @@
+"""Evaluation: the results of a pass, tokens to words and α maps, metrics and result files.
+
+`caption_words` is the one place where decoded token ids become words aligned with their
+attention maps; the LightningModule, the overlay callback and the `caption` command all use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from captioning.models.decoding import Generation
+from captioning.vocab import Vocabulary
+
+log = logging.getLogger(__name__)
+
+
+class Grounding(Protocol):
+    """Object boxes of a data source, for the grounded metrics (objects correct, pointing)."""
+
+    object_words: Any
+    color_words: Any
+    modifier_words: Any
+
+    def __contains__(self, image_id: object) -> bool: ...
+    def objects(self, image_id: Any) -> set[tuple[str, str]]: ...
+    def parse(self, caption: str) -> set[tuple[str, str]]: ...
+    def crop_boxes(self, image_ids: list[Any], size: int) -> list[list[dict[str, Any]]]: ...
+
+
+@dataclass
+class EvalResults:
+    """Decoded captions of one evaluation pass, keyed by image id."""
+
+    hypotheses: dict[Any, str] = field(default_factory=dict)
+    references: dict[Any, list[str]] = field(default_factory=dict)
+    words: dict[Any, list[str]] = field(default_factory=dict)
+    alphas: dict[Any, Tensor] = field(default_factory=dict)  # (T, L) on the CPU
+    scores: dict[Any, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, other: EvalResults) -> None:
+        for name in ("hypotheses", "references", "words", "alphas", "scores"):
+            getattr(self, name).update(getattr(other, name))
+
+
+def caption_words(gen: Generation, vocab: Vocabulary) -> tuple[list[list[str]], list[str]]:
+    """Per decoded caption: its words position-aligned with the decoding steps (so word t is
+    drawn over α_t; a special token such as <unk> keeps its step, the final <end> is dropped),
+    and its text with every special token removed (what the metrics score)."""
+    words, texts = [], []
+    for row, n in zip(gen.tokens.tolist(), gen.lengths.tolist()):
+        ids = row[:n]
+        words.append([vocab.itos[t] for t in ids if t != vocab.end_id])
+        texts.append(" ".join(vocab.decode(ids)))
+    return words, texts
+
+
+def to_results(gen: Generation, vocab: Vocabulary, image_ids: list[Any],
+               references: list[list[str]] | None = None) -> EvalResults:
+    """Decoded words, captions, α maps and scores per image id."""
+    res = EvalResults()
+    words, texts = caption_words(gen, vocab)
+    alphas = gen.alphas.float().cpu()
+    for i, image_id in enumerate(image_ids):
+        res.words[image_id] = words[i]
+        res.hypotheses[image_id] = texts[i]
+        res.alphas[image_id] = alphas[i, : len(words[i])]
+        res.scores[image_id] = float(gen.scores[i])
+        if references is not None:
+            res.references[image_id] = list(references[i])
+    return res
+
+
+def gather(results: EvalResults, world_size: int) -> EvalResults:
+    """Every rank's captions, each image once (DDP samplers may pad with repeats)."""
+    if world_size <= 1 or not torch.distributed.is_initialized():
+        return results
+    parts: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(parts, results)
+    merged = EvalResults()
+    for p in parts:
+        merged.merge(p)
+    return merged
+
+
+def compute_metrics(results: EvalResults, *, grid: tuple[int, int],
+                    grounding: Grounding | None = None,
+                    image_size: int | None = None) -> dict[str, float]:
+    """coco-caption scores, plus objects correct and pointing accuracy when the data source
+    has object boxes (`grounding`)."""
+    from captioning.metrics import coco_scores, objects_correct, pointing_accuracy
+
+    metrics = coco_scores(results.references, results.hypotheses)
+    if grounding is None:
+        return metrics
+    ids = [i for i in results.hypotheses if i in grounding]
+    if not ids:
+        return metrics
+    metrics["objects_correct"] = objects_correct(
+        {i: results.hypotheses[i] for i in ids}, {i: grounding.objects(i) for i in ids},
+        parse=grounding.parse)
+    if image_size is not None:
+        acc, _, scored = pointing_accuracy(
+            [results.words[i] for i in ids], [results.alphas[i] for i in ids], grid,
+            grounding.crop_boxes(ids, image_size), object_words=grounding.object_words,
+            color_words=grounding.color_words, modifier_words=grounding.modifier_words)
+        if scored:
+            metrics["pointing_accuracy"] = acc
+    return metrics
+
+
+def write_results(results: EvalResults, split: str, folder: str | Path) -> Path:
+    """COCO results file [{"image_id", "caption"}] and a metrics JSON; returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    coco = [{"image_id": i, "caption": c} for i, c in results.hypotheses.items()]
+    (folder / f"{split}_captions.json").write_text(json.dumps(coco, indent=1))
+    (folder / f"{split}_metrics.json").write_text(json.dumps(results.metrics, indent=2))
+    log.info("wrote %s and %s", folder / f"{split}_captions.json",
+             folder / f"{split}_metrics.json")
+    return folder

@@ -1,0 +1,204 @@
+"""Training objectives: one class per objective, each owning its state.
+
+An objective runs the captioner's teacher-forced pass on a batch and returns named loss parts;
+`parts["loss"]` is what is optimised, the rest is logged. Moving-average baselines are buffers of
+the objective, so they are saved in checkpoints and follow the module across devices.
+
+* `MaximumLikelihood`: −log p(y | a) plus λ times the doubly stochastic penalty (Eq. 14), the
+  soft-attention objective (§4.2).
+* `Reinforce` and its variants: hard attention (§4.1, Eq. 12): the likelihood above plus
+  λ_r times the REINFORCE surrogate minus λ_e times the attention entropy. The variants differ
+  only in the reward and baseline (`advantage` in the model config):
+  `sequence` (the paper), `token` and `expected`.
+
+A new estimator is one new class registered under a config value with `@register`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from captioning.losses import (
+    MovingAverageBaseline,
+    TokenBaseline,
+    caption_word_log_likelihoods,
+    doubly_stochastic_penalty,
+    entropy_bonus,
+    reinforce_loss,
+    reward_to_go,
+)
+from captioning.models.captioner import Captioner
+from captioning.models.decoder import DecoderOutput
+
+
+class Batch(Protocol):
+    """What an objective reads from a batch (see `captioning.data.datasets.CaptionBatch`)."""
+
+    captions: Tensor  # (B, T) <start> w1 .. wn <end> <pad> ...
+    lengths: Tensor  # (B,) tokens incl. <start> and <end>
+
+
+class Objective(nn.Module):
+    """Batch -> named loss parts; `loss` is optimised. Buffers hold the objective's state."""
+
+    def forward(self, captioner: Captioner, features: Tensor,
+                batch: Batch) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+
+class MaximumLikelihood(Objective):
+    """−log p(y | a) per caption, plus `doubly_stochastic` · Σ_i (1 − Σ_t α_ti)² (Eq. 14)."""
+
+    def __init__(self, *, doubly_stochastic: float = 1.0) -> None:
+        super().__init__()
+        self.doubly_stochastic = doubly_stochastic
+
+    def likelihood(self, out: DecoderOutput, batch: Batch) -> tuple[dict[str, Tensor],
+                                                                    Tensor, Tensor]:
+        """The likelihood's loss parts, and the (B, T) word log-likelihoods and mask."""
+        word_ll, mask = caption_word_log_likelihoods(out.logits, batch.captions, batch.lengths)
+        loglik = word_ll.sum(dim=1)  # (B,) log p(y | s̃, a)
+        nll = -loglik.mean()
+        penalty = doubly_stochastic_penalty(out.alphas, mask)
+        parts = {
+            "nll": nll,
+            "nll_per_word": -loglik.sum() / mask.sum().clamp_min(1),
+            "doubly_stochastic": penalty,
+            "loss": nll + self.doubly_stochastic * penalty,
+        }
+        return parts, word_ll, mask
+
+    def forward(self, captioner: Captioner, features: Tensor,
+                batch: Batch) -> dict[str, Tensor]:
+        out = captioner.decoder(features, batch.captions, batch.lengths)
+        return self.likelihood(out, batch)[0]
+
+
+#: REINFORCE estimators by their `advantage` config value.
+ESTIMATORS: dict[str, type[Reinforce]] = {}
+
+
+def register(name: str) -> Callable[[type[Reinforce]], type[Reinforce]]:
+    """Class decorator: make a REINFORCE estimator available as `advantage: name`."""
+    def add(cls: type[Reinforce]) -> type[Reinforce]:
+        ESTIMATORS[name] = cls
+        return cls
+    return add
+
+
+class Reinforce(MaximumLikelihood):
+    """Hard attention (§4.1): likelihood + λ_r · REINFORCE − λ_e · H[α] (Eq. 12).
+
+    The reward is R = log p(y | s̃, a) of the whole caption at every step, against the moving
+    average b of R (the paper's `sequence` estimator). Subclasses change `reward_and_baseline`.
+    The baseline moves only in training mode.
+    """
+
+    def __init__(self, *, doubly_stochastic: float = 1.0, reward_scale: float = 0.1,
+                 entropy_weight: float = 0.002, baseline_momentum: float = 0.9) -> None:
+        super().__init__(doubly_stochastic=doubly_stochastic)
+        self.reward_scale = reward_scale
+        self.entropy_weight = entropy_weight
+        self.baseline = MovingAverageBaseline(momentum=baseline_momentum)
+
+    def reward_and_baseline(self, captioner: Captioner, features: Tensor, batch: Batch,
+                            word_ll: Tensor, mask: Tensor,
+                            sampled: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(reward, baseline): per caption (B,) or per step (B, T); broadcastable."""
+        return word_ll.sum(dim=1), self.baseline.value
+
+    def forward(self, captioner: Captioner, features: Tensor,
+                batch: Batch) -> dict[str, Tensor]:
+        out = captioner.decoder(features, batch.captions, batch.lengths)
+        parts, word_ll, mask = self.likelihood(out, batch)
+        if out.attn_log_probs is None or out.attn_entropy is None:
+            return parts  # a soft decoder: nothing was sampled
+        sampled = out.sampled
+        reward, base = self.reward_and_baseline(captioner, features, batch, word_ll, mask,
+                                                sampled)
+        rl = reinforce_loss(reward, out.attn_log_probs, mask, base, sampled=sampled)
+        entropy = entropy_bonus(out.attn_entropy, mask)
+        parts["loss"] = parts["loss"] + self.reward_scale * rl - self.entropy_weight * entropy
+        parts.update(reinforce=rl, attn_entropy=entropy / mask.sum(1).float().mean())
+        if sampled is not None and bool(sampled.any()):
+            # the whole caption's advantage (step 0 of a reward-to-go)
+            parts["advantage"] = (reward - base).reshape(len(reward), -1)[sampled, 0].mean()
+            parts["reward"] = word_ll.sum(dim=1)[sampled].mean()
+            if self.training and bool(torch.isfinite(parts["reward"])):  # NaN must not poison b
+                self.baseline.update(word_ll.sum(dim=1)[sampled])
+        parts["baseline"] = self.baseline.value.clone()
+        return parts
+
+
+register("sequence")(Reinforce)
+
+
+@register("token")
+class TokenReinforce(Reinforce):
+    """R_t = Σ_{t'≥t} log p(y_t' | ...), the reward-to-go (α_t cannot change earlier words),
+    against the same sum of per-word moving averages b[y_t']."""
+
+    def __init__(self, *, vocab_size: int, doubly_stochastic: float = 1.0,
+                 reward_scale: float = 0.1, entropy_weight: float = 0.002,
+                 baseline_momentum: float = 0.9) -> None:
+        super().__init__(doubly_stochastic=doubly_stochastic, reward_scale=reward_scale,
+                         entropy_weight=entropy_weight, baseline_momentum=baseline_momentum)
+        self.token_baseline = TokenBaseline(vocab_size=vocab_size, momentum=baseline_momentum)
+
+    def reward_and_baseline(self, captioner: Captioner, features: Tensor, batch: Batch,
+                            word_ll: Tensor, mask: Tensor,
+                            sampled: Tensor | None) -> tuple[Tensor, Tensor]:
+        targets = batch.captions[:, 1 : mask.size(1) + 1]
+        base = reward_to_go(self.token_baseline(targets), mask)
+        if self.training:
+            used = mask if sampled is None else mask & sampled.unsqueeze(1)
+            self.token_baseline.update(word_ll, targets, used)
+        return reward_to_go(word_ll, mask), base
+
+
+@register("expected")
+class ExpectedReinforce(Reinforce):
+    """The reward-to-go against that of the same caption decoded with the expected context:
+    a per-caption baseline, one extra forward pass without gradient."""
+
+    def reward_and_baseline(self, captioner: Captioner, features: Tensor, batch: Batch,
+                            word_ll: Tensor, mask: Tensor,
+                            sampled: Tensor | None) -> tuple[Tensor, Tensor]:
+        ref = expected_word_log_likelihoods(captioner, features, batch, sampled, mask.size(1))
+        return reward_to_go(word_ll, mask), reward_to_go(ref, mask)
+
+
+@torch.no_grad()
+def expected_word_log_likelihoods(captioner: Captioner, features: Tensor, batch: Batch,
+                                  rows: Tensor | None, steps: int) -> Tensor:
+    """(B, steps) word log-likelihoods of `rows` (all if None) with the expected context;
+    zero for the other rows."""
+    B = batch.captions.size(0)
+    idx = torch.arange(B, device=features.device) if rows is None else rows.nonzero()[:, 0]
+    ll = features.new_zeros(B, steps, dtype=torch.float32)
+    if idx.numel() == 0:
+        return ll
+    caps, lengths = batch.captions[idx], batch.lengths[idx]
+    ref = captioner.decoder(features[idx], caps, lengths, rule="expected")
+    ref_ll, _ = caption_word_log_likelihoods(ref.logits, caps, lengths)
+    ll[idx, : ref_ll.size(1)] = ref_ll
+    return ll
+
+
+def build_objective(*, attention: str, advantage: str = "sequence",
+                    **settings: Any) -> Objective:
+    """The objective of a model: maximum likelihood for soft attention, else the REINFORCE
+    estimator named by `advantage`. `settings` go to the constructor that takes them."""
+    if attention == "soft":
+        cls: type[Objective] = MaximumLikelihood
+    elif advantage in ESTIMATORS:
+        cls = ESTIMATORS[advantage]
+    else:
+        raise ValueError(f"advantage must be one of {sorted(ESTIMATORS)}, got {advantage!r}")
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(**{k: v for k, v in settings.items() if k in accepted})

@@ -1,0 +1,177 @@
+"""The data module: vocabulary, batches, image checks and loaders (on the shapes source)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import shapes_source
+from PIL import Image
+from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from captioning.data.datamodule import CaptionDataModule
+from captioning.data.datasets import CaptionBatch
+from captioning.data.readers import DataError
+from captioning.data.samplers import BucketBatchSampler
+from captioning.data.sources import KarpathySplits
+from captioning.vocab import Vocabulary, tokenize
+
+
+@pytest.fixture
+def dm(shapes_dm_kwargs: dict[str, Any]) -> CaptionDataModule:
+    return CaptionDataModule(**shapes_dm_kwargs)
+
+
+def test_vocab_is_available_right_after_init(shapes_dm_kwargs: dict, tmp_path: Path) -> None:
+    path = tmp_path / "vocab.json"
+    dm = CaptionDataModule(**shapes_dm_kwargs, vocab_path=str(path))
+    tokens = [tokenize(c) for r in dm.records("train") for c in r.captions]
+    assert dm.vocab == Vocabulary.build(tokens, min_count=1)
+    assert dm.vocab_size == len(dm.vocab) and path.is_file()
+    assert Vocabulary.load(path) == dm.vocab
+    path.write_text(json.dumps({"words": ["<pad>", "<start>", "<end>", "<unk>", "a"]}))
+    assert CaptionDataModule(**shapes_dm_kwargs, vocab_path=str(path)).vocab_size == 5
+    small = CaptionDataModule(**shapes_dm_kwargs, min_word_count=1000, max_vocab_size=10)
+    assert small.vocab_size == 4
+
+
+def _check_batch(batch: CaptionBatch, vocab: Vocabulary) -> None:
+    lengths = batch.lengths.tolist()
+    assert lengths == sorted(lengths, reverse=True)
+    assert batch.captions.shape == (len(batch), max(lengths))
+    assert batch.captions.dtype == torch.long and batch.lengths.dtype == torch.long
+    for row, n in zip(batch.captions, lengths):
+        assert row[0] == vocab.start_id and row[n - 1] == vocab.end_id
+        assert (row[n:] == vocab.pad_id).all()
+        assert (row[:n] != vocab.pad_id).all()
+
+
+def test_train_batches(dm: CaptionDataModule) -> None:
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    batches = list(loader)
+    assert len(batches) == len(loader) == 30  # 24 images x 5 captions / 4
+    pairs = []
+    for batch in batches:
+        assert isinstance(batch, CaptionBatch)
+        assert batch.images.shape == (len(batch), 3, 64, 64)
+        _check_batch(batch, dm.vocab)
+        for row, refs, image_id in zip(batch.captions, batch.references, batch.image_ids):
+            assert len(refs) == 1
+            assert dm.vocab.decode(row.tolist()) == tokenize(refs[0])
+            pairs.append((image_id, refs[0]))
+    expected = [(r.image_id, c) for r in dm.records("train") for c in r.captions]
+    assert sorted(pairs) == sorted(expected)
+
+
+def test_eval_batches_carry_all_references(dm: CaptionDataModule) -> None:
+    dm.setup("validate")
+    by_id = {r.image_id: r for r in dm.records("val")}
+    seen = []
+    for batch in dm.val_dataloader():
+        _check_batch(batch, dm.vocab)
+        for row, refs, image_id in zip(batch.captions, batch.references, batch.image_ids):
+            assert tuple(refs) == by_id[image_id].captions and len(refs) == 5
+            assert dm.vocab.decode(row.tolist()) == tokenize(refs[0])
+            seen.append(image_id)
+    assert sorted(seen) == sorted(by_id)
+    dm.setup("test")
+    assert sum(len(b) for b in dm.test_dataloader()) == 8
+
+
+def test_images_are_normalised(dm: CaptionDataModule) -> None:
+    x = dm.image_transform(train=False)(Image.new("RGB", (10, 20), (124, 116, 104)))
+    assert x.shape == (3, 64, 64)
+    assert x.abs().max() < 0.01  # ImageNet mean maps to ~0
+
+
+def test_max_caption_length_truncates(shapes_dm_kwargs: dict) -> None:
+    dm = CaptionDataModule(**shapes_dm_kwargs, max_caption_length=3)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch.lengths.max() == 5  # <start> + 3 words + <end>
+    row = batch.captions[0].tolist()
+    assert dm.vocab.decode(row) == tokenize(batch.references[0][0])[:3]
+
+
+def test_datasets_pickle_for_workers(dm: CaptionDataModule) -> None:
+    dm.setup("fit")
+    ds = dm.train_dataloader().dataset
+    clone = pickle.loads(pickle.dumps(ds))
+    assert torch.equal(clone[3][1], ds[3][1]) and torch.equal(clone[3][0], ds[3][0])
+
+
+def _copy_with_bad_image(shapes_root: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "copy"
+    shutil.copytree(shapes_root, root)
+    (root / "images" / "train_00003.png").write_bytes(b"not a png")
+    return root
+
+
+def test_bad_image_file_fails_or_is_skipped(shapes_dm_kwargs: dict, shapes_root: Path,
+                                            tmp_path: Path) -> None:
+    root = _copy_with_bad_image(shapes_root, tmp_path)
+    kwargs = {**shapes_dm_kwargs, "source": shapes_source(root)}
+    with pytest.raises(DataError, match=r"train_00003\.png.*field 'image'.*not an image"):
+        CaptionDataModule(**kwargs).setup("fit")
+    dm = CaptionDataModule(**kwargs, on_bad_data="skip")
+    vocab_before = dm.vocab
+    dm.setup("fit")
+    assert dm.skipped == {"captions": 0, "images": 0, "image_files": 1}
+    assert len(dm.records("train")) == 23
+    assert len(dm.train_dataloader().dataset) == 23 * 5
+    assert dm.vocab is vocab_before
+
+
+def test_skipped_annotations_are_counted(shapes_dm_kwargs: dict, shapes_root: Path,
+                                         tmp_path: Path) -> None:
+    root = tmp_path / "copy"
+    shutil.copytree(shapes_root, root)
+    f = root / "dataset_shapes.json"
+    data = json.loads(f.read_text())
+    data["images"][0]["sentences"][1]["raw"] = " "
+    data["images"][2]["split"] = "holdout"
+    f.write_text(json.dumps(data))
+    kwargs = {**shapes_dm_kwargs, "source": KarpathySplits(split_file=str(f))}
+    with pytest.raises(DataError, match="holdout"):
+        _ = CaptionDataModule(**kwargs).vocab
+    dm = CaptionDataModule(**kwargs, on_bad_data="skip")
+    assert len(dm.records("train")) == 23
+    assert dm.skipped == {"captions": 1, "images": 1, "image_files": 0}
+    assert len(dm.records("train")[0].captions) == 4
+
+
+def test_unbucketed_loader(shapes_dm_kwargs: dict) -> None:
+    dm = CaptionDataModule(**shapes_dm_kwargs, length_bucketing=False)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    assert sum(len(b) for b in batches) == 120
+    for b in batches:
+        _check_batch(b, dm.vocab)
+
+
+def test_lightning_injects_a_distributed_sampler(dm: CaptionDataModule) -> None:
+    """Under DDP Lightning rebuilds the batch sampler around a DistributedSampler."""
+    from lightning.fabric.utilities.data import _replace_dunder_methods, _set_sampler_epoch
+    from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
+
+    dm.setup("fit")
+    with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+        loader = dm.train_dataloader()
+    assert _is_dataloader_shuffled(loader)
+    seen: list[int] = []
+    for rank in range(2):
+        dist = DistributedSampler(loader.dataset, num_replicas=2, rank=rank, shuffle=True)
+        new = _update_dataloader(loader, dist)
+        assert isinstance(new.batch_sampler, BucketBatchSampler)
+        assert new.batch_sampler.sampler is dist
+        _set_sampler_epoch(new, 4)
+        assert new.batch_sampler.epoch == 4
+        seen += [i for b in new.batch_sampler for i in b]
+    assert sorted(seen) == list(range(len(loader.dataset)))

@@ -1,0 +1,22 @@
+"""The vocabulary: building, encoding/decoding and its file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from captioning.vocab import Vocabulary, tokenize
+
+
+def test_vocabulary_round_trip(tmp_path: Path) -> None:
+    caps = [tokenize("A dog runs."), tokenize("a dog sits"), tokenize("a cat sits")]
+    vocab = Vocabulary.build(caps, min_count=1)
+    assert vocab.itos[:4] == ["<pad>", "<start>", "<end>", "<unk>"]
+    assert vocab.itos[4:] == ["a", "dog", "sits", "cat", "runs"]  # by count, then alphabet
+    ids = vocab.encode(["a", "cat", "flies"])
+    assert ids == [vocab.start_id, vocab.stoi["a"], vocab.stoi["cat"], vocab.unk_id,
+                   vocab.end_id]
+    assert vocab.decode([*ids, vocab.pad_id, vocab.stoi["dog"]]) == ["a", "cat"]
+    vocab.save(tmp_path / "v.json")
+    assert Vocabulary.load(tmp_path / "v.json") == vocab
+    assert Vocabulary.build(caps, min_count=2).itos[4:] == ["a", "dog", "sits"]
+    assert len(Vocabulary.build(caps, max_size=6)) == 6
