@@ -232,6 +232,39 @@ def _spice_score(gts: dict[Hashable, list[str]], res: dict[Hashable, list[str]])
 # --------------------------------------------------------------------------- COCO scores
 
 
+def _coco_scorers() -> tuple[type, type, type]:
+    """pycocoevalcap's (Bleu, Rouge, Cider) scorer classes; RuntimeError when Java (which the
+    PTBTokenizer and METEOR need) or pycocoevalcap is missing."""
+    if shutil.which("java") is None:
+        raise RuntimeError(
+            "coco_scores needs a Java runtime (pycocoevalcap's PTBTokenizer and METEOR are Java "
+            "programs) but no 'java' is on PATH; install a JRE (e.g. openjdk-17-jre-headless)"
+        )
+    try:
+        from pycocoevalcap.bleu.bleu import Bleu
+        from pycocoevalcap.cider.cider import Cider
+        from pycocoevalcap.rouge.rouge import Rouge
+    except ImportError as e:
+        raise RuntimeError(f"coco_scores needs pycocoevalcap: {e}") from e
+    return Bleu, Rouge, Cider
+
+
+def _clean_captions(
+    references: Mapping[Any, Sequence[str]], hypotheses: Mapping[Any, str]
+) -> tuple[dict[Hashable, list[str]], dict[Hashable, list[str]]]:
+    """(refs, hyps) as {id: [caption, ...]} strings without special tokens, ready for the
+    PTBTokenizer; ValueError for an id without references."""
+    refs: dict[Hashable, list[str]] = {}
+    hyps: dict[Hashable, list[str]] = {}
+    for key in references:
+        r = references[key]
+        if isinstance(r, str) or not r:
+            raise ValueError(f"references for id {key!r} must be a non-empty list of strings")
+        refs[key] = [strip_special_tokens(_as_text(c, what="reference", key=key)) for c in r]
+        hyps[key] = [strip_special_tokens(_as_text(hypotheses[key], what="hypothesis", key=key))]
+    return refs, hyps
+
+
 def coco_scores(
     references: Mapping[Any, Sequence[str]],
     hypotheses: Mapping[Any, str],
@@ -256,26 +289,8 @@ def coco_scores(
     missing (the PTBTokenizer and METEOR need it) or METEOR fails.
     """
     _check_keys(references, hypotheses, "references", "hypotheses")
-    if shutil.which("java") is None:
-        raise RuntimeError(
-            "coco_scores needs a Java runtime (pycocoevalcap's PTBTokenizer and METEOR are Java "
-            "programs) but no 'java' is on PATH; install a JRE (e.g. openjdk-17-jre-headless)"
-        )
-    try:
-        from pycocoevalcap.bleu.bleu import Bleu
-        from pycocoevalcap.cider.cider import Cider
-        from pycocoevalcap.rouge.rouge import Rouge
-    except ImportError as e:
-        raise RuntimeError(f"coco_scores needs pycocoevalcap: {e}") from e
-
-    refs: dict[Hashable, list[str]] = {}
-    hyps: dict[Hashable, list[str]] = {}
-    for key in references:
-        r = references[key]
-        if isinstance(r, str) or not r:
-            raise ValueError(f"references for id {key!r} must be a non-empty list of strings")
-        refs[key] = [strip_special_tokens(_as_text(c, what="reference", key=key)) for c in r]
-        hyps[key] = [strip_special_tokens(_as_text(hypotheses[key], what="hypothesis", key=key))]
+    Bleu, Rouge, Cider = _coco_scorers()
+    refs, hyps = _clean_captions(references, hypotheses)
 
     out = _Captured()
     try:
@@ -349,6 +364,80 @@ def _default_words() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
     return tuple(shapes.SHAPES), tuple(shapes.COLORS), tuple(getattr(shapes, "SIZES", ()))
 
 
+def _word_sets(
+    object_words: Iterable[str] | None,
+    color_words: Iterable[str] | None,
+    modifier_words: Iterable[str] | None,
+) -> tuple[set[str], set[str], set[str]]:
+    """(object names, colours, modifiers); each one not given comes from the shapes module."""
+    if object_words is None or color_words is None or modifier_words is None:
+        d_shapes, d_colors, d_sizes = _default_words()
+        object_words = d_shapes if object_words is None else object_words
+        color_words = d_colors if color_words is None else color_words
+        modifier_words = d_sizes if modifier_words is None else modifier_words
+    return set(object_words), set(color_words), set(modifier_words)
+
+
+def _attention_peaks(alpha: Any, i: int, n_words: int, n_cells: int) -> list[int]:
+    """Flat index of the argmax cell of each of the first `n_words` rows of the (T, L)
+    attention `alpha` of caption `i`."""
+    import torch
+
+    a = torch.as_tensor(alpha)  # (T, L)
+    if a.dim() != 2 or a.shape[1] != n_cells or a.shape[0] < n_words:
+        raise ValueError(
+            f"alphas[{i}] must be (T >= {n_words}, L = {n_cells}), got {tuple(a.shape)}"
+        )
+    return a[:n_words].float().argmax(dim=1).tolist()
+
+
+def _referred_objects(
+    caption: Sequence[str],
+    t: int,
+    objects: Sequence[Mapping[str, Any]],
+    names: Collection[str],
+    colors: Collection[str],
+    modifiers: Collection[str],
+) -> list[Mapping[str, Any]]:
+    """The objects of the image that caption[t] refers to; empty when the word names no object
+    class, or one absent from the image (then it is not scored).
+
+    They are the objects of the named shape, narrowed to one colour when the word right before
+    it, or the one before a single modifier ("red large circle"), is a colour word that one of
+    them has, as `shapes.parse_objects` binds them.
+    """
+    shape = _singular(caption[t], names)
+    if shape is None:
+        return []
+    referred = [o for o in objects if o["shape"] == shape]
+    if not referred:
+        return []
+    colour = None
+    for back, prev in enumerate(reversed(caption[max(0, t - 2) : t])):
+        if prev in colors:
+            colour = prev
+            break
+        if back > 0 or prev not in modifiers:
+            break
+    if colour is not None and any(o["color"] == colour for o in referred):
+        referred = [o for o in referred if o["color"] == colour]
+    return referred
+
+
+def _cell_overlaps_any(
+    cell: tuple[int, int], grid: tuple[int, int], objects: Iterable[Mapping[str, Any]]
+) -> bool:
+    """Whether grid cell (r, c), the rectangle [c/gw, (c+1)/gw) x [r/gh, (r+1)/gh) of the input,
+    and the [x, y, w, h] "bbox" of one of `objects` overlap with positive area."""
+    (r, c), (gh, gw) = cell, grid
+    cx0, cx1, cy0, cy1 = c / gw, (c + 1) / gw, r / gh, (r + 1) / gh
+    for o in objects:
+        x, y, w, h = (float(v) for v in o["bbox"])
+        if min(cx1, x + w) - max(cx0, x) > 0 and min(cy1, y + h) - max(cy0, y) > 0:
+            return True
+    return False
+
+
 def pointing_accuracy(
     words: Sequence[Sequence[str]],
     alphas: Tensor | Sequence[Any],
@@ -383,15 +472,8 @@ def pointing_accuracy(
 
     Returns (hits / scored, hits, scored); accuracy is NaN when nothing was scored.
     """
-    import torch
-
     gh, gw = grid
-    if object_words is None or color_words is None or modifier_words is None:
-        d_shapes, d_colors, d_sizes = _default_words()
-        object_words = d_shapes if object_words is None else object_words
-        color_words = d_colors if color_words is None else color_words
-        modifier_words = d_sizes if modifier_words is None else modifier_words
-    names, colors, modifiers = set(object_words), set(color_words), set(modifier_words)
+    names, colors, modifiers = _word_sets(object_words, color_words, modifier_words)
     if not (len(words) == len(alphas) == len(boxes)):
         raise ValueError(
             f"words, alphas and boxes must have one entry per caption, got "
@@ -402,34 +484,12 @@ def pointing_accuracy(
     for i, caption in enumerate(words):
         if not caption:
             continue
-        a = torch.as_tensor(alphas[i])  # (T, L)
-        if a.dim() != 2 or a.shape[1] != gh * gw or a.shape[0] < len(caption):
-            raise ValueError(
-                f"alphas[{i}] must be (T >= {len(caption)}, L = {gh * gw}), got {tuple(a.shape)}"
-            )
-        peaks = a[: len(caption)].float().argmax(dim=1).tolist()  # (T,) flat cell index
-        for t, word in enumerate(caption):
-            shape = _singular(word, names)
-            if shape is None:
-                continue
-            referred = [o for o in boxes[i] if o["shape"] == shape]
+        peaks = _attention_peaks(alphas[i], i, len(caption), gh * gw)  # (T,) flat cell index
+        for t in range(len(caption)):
+            referred = _referred_objects(caption, t, boxes[i], names, colors, modifiers)
             if not referred:
                 continue
-            colour = None
-            for back, prev in enumerate(reversed(caption[max(0, t - 2) : t])):
-                if prev in colors:
-                    colour = prev
-                    break
-                if back > 0 or prev not in modifiers:
-                    break
-            if colour is not None and any(o["color"] == colour for o in referred):
-                referred = [o for o in referred if o["color"] == colour]
-            r, c = divmod(peaks[t], gw)
-            cx0, cx1, cy0, cy1 = c / gw, (c + 1) / gw, r / gh, (r + 1) / gh
             scored += 1
-            for o in referred:
-                x, y, w, h = (float(v) for v in o["bbox"])
-                if min(cx1, x + w) - max(cx0, x) > 0 and min(cy1, y + h) - max(cy0, y) > 0:
-                    hits += 1
-                    break
+            if _cell_overlaps_any(divmod(peaks[t], gw), grid, referred):
+                hits += 1
     return (hits / scored if scored else math.nan), hits, scored

@@ -242,6 +242,70 @@ def denormalize(images: Tensor, mean: Sequence[float] = IMAGENET_MEAN,
     return (images.float() * s + m).clamp_(0, 1).permute(0, 2, 3, 1)
 
 
+def _check_strip_args(images: Tensor, alphas: Tensor, grid: tuple[int, int],
+                      words: Sequence[Sequence[str]], points: Tensor | None,
+                      blend: float) -> int:
+    """Validate `render_strips`' arguments; returns T_max, the longest caption's length."""
+    if images.dim() != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be (N, 3, H, W), got {tuple(images.shape)}")
+    n = images.shape[0]
+    gh, gw = grid
+    if len(words) != n:
+        raise ValueError(f"got {len(words)} captions for {n} images")
+    t_max = max((len(ws) for ws in words), default=0)
+    if alphas.dim() != 3 or alphas.shape[0] != n or alphas.shape[2] != gh * gw:
+        raise ValueError(f"alphas must be (N={n}, T, L={gh * gw}), got {tuple(alphas.shape)}")
+    if alphas.shape[1] < t_max:
+        raise ValueError(f"alphas has {alphas.shape[1]} steps but a caption has {t_max} words")
+    if points is not None and (points.shape[0] != n or points.shape[1] < t_max):
+        raise ValueError(f"points must be (N={n}, T>={t_max}), got {tuple(points.shape)}")
+    if not 0.0 <= blend <= 1.0:
+        raise ValueError(f"blend must be in [0, 1], got {blend}")
+    return t_max
+
+
+def _paint_attention(panels: Tensor, rgb: Tensor, alphas: Tensor, grid: tuple[int, int],
+                     words: Sequence[Sequence[str]], points: Tensor | None, upsample: str,
+                     blend: float) -> None:
+    """Fill the word panels (N, T_max, H, W, 3) uint8 in place: the (N, H, W, 3) images `rgb`
+    blended with the coloured, upsampled α_t, hard-attention markers drawn, and black past
+    each caption's end."""
+    n, t_max, h, w, _ = panels.shape
+    gh, gw = grid
+    device = panels.device
+    lengths = torch.tensor([len(ws) for ws in words], device=device)
+    live = torch.arange(t_max, device=device)[None, :] < lengths[:, None]  # (N, T)
+    # blend in packed int32 RGB: floor(blend·255·cmap) + round((1-blend)·255·image) <= 255 per
+    # channel, so the sum never carries into the next channel's byte
+    lut = _pack_rgb((_lut(str(device)) * (blend * 255.0)).floor_())  # (256,)
+    base = _pack_rgb((rgb * ((1.0 - blend) * 255.0)).round_()).view(n, 1, h * w)  # (N, 1, HW)
+    maps_all = alphas[:, :t_max].to(device=device, dtype=torch.float32).reshape(n, t_max, gh, gw)
+    if points is not None:
+        points = points[:, :t_max].to(device=device, dtype=torch.long)
+    white = int(_pack_rgb(torch.tensor(_MARKER_INNER)))
+    black = int(_pack_rgb(torch.tensor(_MARKER_OUTER)))
+
+    step = max(1, _CHUNK_ELEMENTS // (t_max * h * w))
+    for s in range(0, n, step):  # chunks of captions, to bound memory
+        e = min(n, s + step)
+        idx = _minmax_index(upsample_maps(maps_all[s:e], (h, w), upsample))  # (n, T, HW)
+        packed = torch.take(lut, idx).add_(base[s:e])  # (n, T, HW) int32 RGB
+        packed = packed.view(e - s, t_max, h, w)
+        if points is not None:
+            _draw_markers(packed, points[s:e], grid, white, black)
+        packed.mul_(live[s:e, :, None, None])  # blank panels past the caption's end
+        panels[s:e] = packed.view(torch.uint8).view(e - s, t_max, h, w, 4)[..., :3]
+
+
+def _paint_labels(panels: Tensor, words: Sequence[Sequence[str]]) -> None:
+    """Write words[n][t] into the label panels (N, T_max, label_height, W, 3) uint8, in place."""
+    n, t_max, label_height, w, _ = panels.shape
+    flat_words = [ws[t] if t < len(ws) else "" for ws in words for t in range(t_max)]
+    text = render_labels(flat_words, w, label_height, panels.device)  # (N*T, lh, W)
+    text = (text * 255).round_().to(torch.uint8).view(n, t_max, label_height, w, 1)
+    panels[:] = text.expand(-1, -1, -1, -1, 3)
+
+
 @torch.no_grad()
 def render_strips(
     images: Tensor,
@@ -269,21 +333,8 @@ def render_strips(
     map, with words[n][t] written in the label strip below. Panels past a caption's end are
     black. Runs on the images' device.
     """
-    if images.dim() != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must be (N, 3, H, W), got {tuple(images.shape)}")
+    t_max = _check_strip_args(images, alphas, grid, words, points, blend)
     n, _, h, w = images.shape
-    gh, gw = grid
-    if len(words) != n:
-        raise ValueError(f"got {len(words)} captions for {n} images")
-    t_max = max((len(ws) for ws in words), default=0)
-    if alphas.dim() != 3 or alphas.shape[0] != n or alphas.shape[2] != gh * gw:
-        raise ValueError(f"alphas must be (N={n}, T, L={gh * gw}), got {tuple(alphas.shape)}")
-    if alphas.shape[1] < t_max:
-        raise ValueError(f"alphas has {alphas.shape[1]} steps but a caption has {t_max} words")
-    if points is not None and (points.shape[0] != n or points.shape[1] < t_max):
-        raise ValueError(f"points must be (N={n}, T>={t_max}), got {tuple(points.shape)}")
-    if not 0.0 <= blend <= 1.0:
-        raise ValueError(f"blend must be in [0, 1], got {blend}")
     label_height = max(0, int(label_height))
     device = images.device
 
@@ -293,36 +344,10 @@ def render_strips(
     image_panels[:, 0] = (rgb * 255).round_().to(torch.uint8)
     if t_max == 0:
         return out
-
-    lengths = torch.tensor([len(ws) for ws in words], device=device)
-    live = torch.arange(t_max, device=device)[None, :] < lengths[:, None]  # (N, T)
-    # blend in packed int32 RGB: floor(blend·255·cmap) + round((1-blend)·255·image) <= 255 per
-    # channel, so the sum never carries into the next channel's byte
-    lut = _pack_rgb((_lut(str(device)) * (blend * 255.0)).floor_())  # (256,)
-    base = _pack_rgb((rgb * ((1.0 - blend) * 255.0)).round_()).view(n, 1, h * w)  # (N, 1, HW)
-    maps_all = alphas[:, :t_max].to(device=device, dtype=torch.float32).reshape(n, t_max, gh, gw)
-    if points is not None:
-        points = points[:, :t_max].to(device=device, dtype=torch.long)
-    white = int(_pack_rgb(torch.tensor(_MARKER_INNER)))
-    black = int(_pack_rgb(torch.tensor(_MARKER_OUTER)))
-
-    step = max(1, _CHUNK_ELEMENTS // (t_max * h * w))
-    for s in range(0, n, step):  # chunks of captions, to bound memory
-        e = min(n, s + step)
-        idx = _minmax_index(upsample_maps(maps_all[s:e], (h, w), upsample))  # (n, T, HW)
-        packed = torch.take(lut, idx).add_(base[s:e])  # (n, T, HW) int32 RGB
-        packed = packed.view(e - s, t_max, h, w)
-        if points is not None:
-            _draw_markers(packed, points[s:e], grid, white, black)
-        packed.mul_(live[s:e, :, None, None])  # blank panels past the caption's end
-        image_panels[s:e, 1:] = packed.view(torch.uint8).view(e - s, t_max, h, w, 4)[..., :3]
-
+    _paint_attention(image_panels[:, 1:], rgb, alphas, grid, words, points, upsample, blend)
     if label_height > 0:
-        flat_words = [ws[t] if t < len(ws) else "" for ws in words for t in range(t_max)]
-        text = render_labels(flat_words, w, label_height, device)  # (N*T, lh, W)
-        text = (text * 255).round_().to(torch.uint8).view(n, t_max, label_height, w, 1)
         label_panels = out[:, h:].view(n, label_height, t_max + 1, w, 3).permute(0, 2, 1, 3, 4)
-        label_panels[:, 1:] = text.expand(-1, -1, -1, -1, 3)
+        _paint_labels(label_panels[:, 1:], words)
     return out
 
 

@@ -139,7 +139,7 @@ def _build(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
     from captioning.commands.lightning import CONFIG_DIR, lightning_cli
 
     karpathy = bool(spec.get("split_file"))
-    args = ["fit", "--config", str(CONFIG_DIR / "data" / ("coco.yaml" if karpathy else
+    args = ["--config", str(CONFIG_DIR / "data" / ("coco.yaml" if karpathy else
                                                           "shapes.yaml")),
             "--config", str(CONFIG_DIR / "model" / ("paper_soft.yaml" if spec["paper"] else
                                                     "demo_soft.yaml"))]

@@ -15,6 +15,8 @@ from captioning.data.shapes import generate_shapes
 from captioning.data.sources import ShapesSource
 from captioning.vocab import tokenize
 
+pytest.register_assert_rewrite("tiny_runs")  # its helpers' asserts report in detail
+
 #: Parameters of the session's shapes dataset (ShapesSource / generate_shapes arguments).
 SHAPES_PARAMS: dict[str, int] = {"num_train": 24, "num_val": 8, "num_test": 8,
                                  "image_size": 64, "seed": 0}

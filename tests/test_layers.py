@@ -182,3 +182,25 @@ def test_an_upward_import_and_a_private_name_are_caught(tmp_path: Path) -> None:
         "captioning.models.encoder -> captioning.data.datamodule "
         "(captioning.models must not import captioning.data)"]
     assert private_imports(root) == ["captioning/data/datamodule.py: captioning.metrics._helper"]
+
+
+#: Functions allowed past FUNCTION_LINES: the search and the teacher-forced pass read best whole.
+LONG_FUNCTIONS = {("captioning/models/decoding.py", "beam_search"),
+                  ("captioning/models/decoder.py", "forward")}
+FILE_LINES, FUNCTION_LINES = 450, 60
+
+
+def test_files_and_functions_stay_small() -> None:
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE.parent))
+        text = path.read_text()
+        if text.count("\n") > FILE_LINES:
+            too_long.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and \
+                    (rel, node.name) not in LONG_FUNCTIONS and \
+                    node.end_lineno - node.lineno + 1 > FUNCTION_LINES:
+                too_long.append(f"{rel}:{node.lineno} {node.name}")
+    assert too_long == []
+    assert (PACKAGE / "lit_module.py").read_text().count("\n") <= 300  # a thin LightningModule

@@ -164,7 +164,9 @@ def test_batched_equals_one_by_one(batch) -> None:
     for i, ws in enumerate(words):
         alone = render_strips(images[i : i + 1], alphas[i : i + 1], (4, 4), [ws],
                               points=points[i : i + 1], upsample="gaussian")
-        assert torch.equal(out[i, :, : W * (len(ws) + 1)], alone[0])
+        # Equal up to one level of uint8 rounding: BLAS may sum a batch in another order.
+        diff = (out[i, :, : W * (len(ws) + 1)].int() - alone[0].int()).abs()
+        assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
 
 
 def test_input_validation(batch) -> None:

@@ -52,6 +52,17 @@ _STAGE_SPLITS: dict[str | None, tuple[str, ...]] = {
 }
 
 
+def _check_arguments(source: DataSource | None, on_bad_data: str, **sizes: int) -> None:
+    """Validate `CaptionDataModule`'s source, bad-data policy and sizes (each >= 1)."""
+    if source is not None and not isinstance(source, DataSource):
+        raise TypeError(f"source must be a DataSource, got {type(source).__name__}")
+    if on_bad_data not in ("fail", "skip"):
+        raise ValueError(f"on_bad_data must be 'fail' or 'skip', got {on_bad_data!r}")
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 class CaptionDataModule(L.LightningDataModule):
     """Images and captions for Show, Attend and Tell.
 
@@ -97,15 +108,9 @@ class CaptionDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
     ) -> None:
         super().__init__()
-        if source is not None and not isinstance(source, DataSource):
-            raise TypeError(f"source must be a DataSource, got {type(source).__name__}")
-        if on_bad_data not in ("fail", "skip"):
-            raise ValueError(f"on_bad_data must be 'fail' or 'skip', got {on_bad_data!r}")
-        for name, value in (("max_caption_length", max_caption_length),
-                            ("image_size", image_size), ("batch_size", batch_size),
-                            ("eval_batch_size", eval_batch_size)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        _check_arguments(source, on_bad_data, max_caption_length=max_caption_length,
+                         image_size=image_size, batch_size=batch_size,
+                         eval_batch_size=eval_batch_size)
         self.source: DataSource = source if source is not None else ShapesSource()
         # The source is saved as plain data (its class path and arguments): a pickled object in
         # a checkpoint would not load with torch.load(weights_only=True).
@@ -129,6 +134,13 @@ class CaptionDataModule(L.LightningDataModule):
         self.validate_images = validate_images
         self.feature_cache = feature_cache
         self.cache_dir = cache_dir
+        self._init_state()
+        if hflip:
+            log.warning("hflip=True: flipped images make left/right in their captions false")
+
+    def _init_state(self) -> None:
+        """The state filled in later: the encoder of the feature cache, what reading and
+        checking skipped, and the records, vocabulary, grounding and datasets, built lazily."""
         self._encoder: Any = None  # set by use_encoder_cache(); inputs become cached features
         self._encoder_config: dict[str, Any] = {}
         self._cache_device: Any = None
@@ -142,8 +154,6 @@ class CaptionDataModule(L.LightningDataModule):
         self._validated: set[str] = set()
         self._datasets: dict[str, CaptionDataset] = {}
         self._token_cache: tuple[list[ImageRecord], TokenIndex] | None = None
-        if hflip:
-            log.warning("hflip=True: flipped images make left/right in their captions false")
 
     # ---- records -------------------------------------------------------------------------
 

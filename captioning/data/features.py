@@ -142,23 +142,8 @@ class FeatureCache:
                             num_workers=num_workers, pin_memory=device.type == "cuda")
         fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".npy.tmp")
         os.close(fd)
-        array = None
         try:
-            bar = _progress(len(paths), progress, desc="caching encoder features")
-            row = 0
-            for images in loader:
-                feats = encoder(images.to(device, non_blocking=True)).to("cpu", torch.float16)
-                if array is None:
-                    array = np.lib.format.open_memmap(
-                        tmp, mode="w+", dtype=np.float16, shape=(len(paths), *feats.shape[1:]))
-                array[row : row + len(feats)] = feats.numpy()
-                row += len(feats)
-                bar.update(len(feats))
-            bar.close()
-            if array is None:
-                raise ValueError("no images to cache")
-            array.flush()
-            del array
+            _encode_to_npy(tmp, encoder, loader, device, len(paths), progress)
             os.replace(tmp, cache_dir / f"{key}.npy")
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -171,6 +156,27 @@ class FeatureCache:
         (cache_dir / f"{key}.json").write_text(json.dumps(meta))
         log.info("feature cache built: %s (%d images)", cache_dir / f"{key}.npy", len(paths))
         return cls(cache_dir / f"{key}.npy", {str(p): i for i, p in enumerate(paths)})
+
+
+def _encode_to_npy(file: str, encoder: nn.Module, loader: DataLoader, device: torch.device,
+                   total: int, progress: bool) -> None:
+    """Write the (total, L, D) float16 grids of the `loader`'s images to the `.npy` `file`,
+    batch by batch through a memory map."""
+    array = None
+    bar = _progress(total, progress, desc="caching encoder features")
+    row = 0
+    for images in loader:
+        feats = encoder(images.to(device, non_blocking=True)).to("cpu", torch.float16)
+        if array is None:
+            array = np.lib.format.open_memmap(
+                file, mode="w+", dtype=np.float16, shape=(total, *feats.shape[1:]))
+        array[row : row + len(feats)] = feats.numpy()
+        row += len(feats)
+        bar.update(len(feats))
+    bar.close()
+    if array is None:
+        raise ValueError("no images to cache")
+    array.flush()
 
 
 def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any], *,

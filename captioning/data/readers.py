@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover
 
 OnError = Literal["fail", "skip"]
 SPLITS: tuple[str, ...] = ("train", "restval", "val", "test")
+_SPLIT_NAMES = frozenset(SPLITS)
 #: How many problems a DataError message lists.
 MAX_LISTED = 10
 
@@ -210,6 +211,71 @@ def _drop_tokens(d: dict) -> dict:
     return d
 
 
+def _karpathy_sentence(sent: Any, j: int) -> tuple[Any, str, str | None]:
+    """(raw caption, field, problem) of the Karpathy sentence entry sentences[j]; the problem is
+    None when the caption is usable."""
+    if not isinstance(sent, dict):
+        return None, f"sentences[{j}]", f"expected an object, got {_type_name(sent)}"
+    raw = sent.get("raw")
+    if raw is None and isinstance(sent.get("tokens"), list) and all(
+            isinstance(t, str) for t in sent["tokens"]):
+        raw = " ".join(sent["tokens"])  # no "raw": fall back to the tokens
+    why = "missing" if raw is None and "raw" not in sent else _caption_problem(raw)
+    return raw, f"sentences[{j}].raw", why
+
+
+def _karpathy_image(report: _Report, i: int, item: dict, seen: dict[Any, int], *, root: str,
+                    merge_restval: bool) -> ImageRecord | None:
+    """The record of the Karpathy image entry images[i], or None when it is skipped (its
+    problems go to `report`). `seen` maps the image ids met so far to their index."""
+    id_field = "cocoid" if "cocoid" in item else "imgid"
+    image_id = item.get(id_field)
+    entry = f"images[{i}] (id {image_id!r})"
+    n_before = len(report.problems)
+
+    why = _id_problem(item, id_field)
+    if why is not None:
+        report.add(entry, id_field if id_field in item else "cocoid/imgid", why)
+    elif image_id in seen:
+        report.add(entry, id_field, f"duplicate image id (first at images[{seen[image_id]}])")
+    else:
+        seen[image_id] = i
+
+    filename = item.get("filename")
+    report.add(entry, "filename", _name_problem(item, "filename"))
+    filepath = item.get("filepath", "")
+    if not isinstance(filepath, str):
+        report.add(entry, "filepath", f"expected a string, got {_type_name(filepath)}")
+    split = item.get("split")
+    if split not in _SPLIT_NAMES:
+        report.add(entry, "split", "missing" if "split" not in item else
+                   f"unknown split {split!r} (expected one of {SPLITS})")
+    sentences = item.get("sentences")
+    if not isinstance(sentences, list):
+        report.add(entry, "sentences", "missing" if "sentences" not in item else
+                   f"expected a list, got {_type_name(sentences)}")
+    if len(report.problems) > n_before:
+        report.skipped_images += 1
+        return None
+
+    captions: list[str] = []
+    for j, sent in enumerate(sentences):
+        raw, field, why = _karpathy_sentence(sent, j)
+        if why is None:
+            captions.append(raw.strip())
+        else:
+            report.add(entry, field, why)
+            report.skipped_captions += 1
+    if not captions:
+        report.add(entry, "sentences", "no usable captions")
+        report.skipped_images += 1
+        return None
+    if split == "restval" and merge_restval:
+        split = "train"
+    return ImageRecord(image_id, Path(os.path.join(root, filepath, filename)), split,
+                       tuple(captions))
+
+
 def read_karpathy(
     split_file: str | os.PathLike[str],
     image_root: str | os.PathLike[str],
@@ -230,65 +296,52 @@ def read_karpathy(
 
     records: list[ImageRecord] = []
     seen: dict[Any, int] = {}
-    split_names = frozenset(SPLITS)
-
     for i, item in report.objects(images, "images"):
-        id_field = "cocoid" if "cocoid" in item else "imgid"
-        image_id = item.get(id_field)
-        entry = f"images[{i}] (id {image_id!r})"
-        n_before = len(report.problems)
-
-        why = _id_problem(item, id_field)
-        if why is not None:
-            report.add(entry, id_field if id_field in item else "cocoid/imgid", why)
-        elif image_id in seen:
-            report.add(entry, id_field, f"duplicate image id (first at images[{seen[image_id]}])")
-        else:
-            seen[image_id] = i
-
-        filename = item.get("filename")
-        report.add(entry, "filename", _name_problem(item, "filename"))
-        filepath = item.get("filepath", "")
-        if not isinstance(filepath, str):
-            report.add(entry, "filepath", f"expected a string, got {_type_name(filepath)}")
-        split = item.get("split")
-        if split not in split_names:
-            report.add(entry, "split", "missing" if "split" not in item else
-                       f"unknown split {split!r} (expected one of {SPLITS})")
-        sentences = item.get("sentences")
-        if not isinstance(sentences, list):
-            report.add(entry, "sentences", "missing" if "sentences" not in item else
-                       f"expected a list, got {_type_name(sentences)}")
-        if len(report.problems) > n_before:
-            report.skipped_images += 1
-            continue
-
-        captions: list[str] = []
-        for j, sent in enumerate(sentences):
-            if not isinstance(sent, dict):
-                why, field = f"expected an object, got {_type_name(sent)}", f"sentences[{j}]"
-            else:
-                raw = sent.get("raw")
-                if raw is None and isinstance(sent.get("tokens"), list) and all(
-                        isinstance(t, str) for t in sent["tokens"]):
-                    raw = " ".join(sent["tokens"])  # no "raw": fall back to the tokens
-                field = f"sentences[{j}].raw"
-                why = "missing" if raw is None and "raw" not in sent else _caption_problem(raw)
-            if why is None:
-                captions.append(raw.strip())
-            else:
-                report.add(entry, field, why)
-                report.skipped_captions += 1
-        if not captions:
-            report.add(entry, "sentences", "no usable captions")
-            report.skipped_images += 1
-            continue
-        if split == "restval" and merge_restval:
-            split = "train"
-        path = Path(os.path.join(root, filepath, filename))
-        records.append(ImageRecord(image_id, path, split, tuple(captions)))
-
+        record = _karpathy_image(report, i, item, seen, root=root, merge_restval=merge_restval)
+        if record is not None:
+            records.append(record)
     return report.finish(records, on_error)
+
+
+def _coco_image(report: _Report, i: int, item: dict, index_of: dict[Any, int],
+                bad_ids: set[Any]) -> tuple[int, Any, str] | None:
+    """(i, id, file_name) of the COCO image entry images[i], or None when it is rejected (its
+    problems go to `report`). Records the id in `index_of`, or in `bad_ids` when rejected."""
+    image_id = item.get("id")
+    entry = f"images[{i}] (id {image_id!r})"
+    n_before = len(report.problems)
+    why = _id_problem(item, "id")
+    if why is not None:
+        report.add(entry, "id", why)
+    elif image_id in index_of or image_id in bad_ids:
+        first = index_of.get(image_id)
+        where = f" (first at images[{first}])" if first is not None else ""
+        report.add(entry, "id", f"duplicate image id{where}")
+    file_name = item.get("file_name")
+    report.add(entry, "file_name", _name_problem(item, "file_name"))
+    if len(report.problems) > n_before:
+        report.skipped_images += 1
+        if _valid_id(image_id):
+            bad_ids.add(image_id)
+        return None
+    index_of[image_id] = i
+    return i, image_id, file_name
+
+
+def _coco_annotation(ann: dict, captions: dict[Any, list[str]],
+                     bad_ids: set[Any]) -> tuple[Any, str, str | None]:
+    """(raw caption, field, problem) of a COCO annotation entry; the problem is None when the
+    caption is usable and its image (a key of `captions`) was accepted."""
+    image_id = ann.get("image_id")
+    if "image_id" not in ann:
+        return None, "image_id", "missing"
+    if not _valid_id(image_id):
+        return None, "image_id", f"expected an int or string, got {_type_name(image_id)}"
+    if image_id not in captions:
+        return None, "image_id", ("refers to an image entry that was rejected"
+                                  if image_id in bad_ids else "no image with this id in 'images'")
+    raw = ann.get("caption")
+    return raw, "caption", "missing" if "caption" not in ann else _caption_problem(raw)
 
 
 def read_coco_captions(
@@ -315,47 +368,20 @@ def read_coco_captions(
     entries: list[tuple[int, Any, str]] = []  # (index, id, file_name) of good image entries
     index_of: dict[Any, int] = {}
     bad_ids: set[Any] = set()
-
     for i, item in report.objects(images, "images"):
-        image_id = item.get("id")
-        entry = f"images[{i}] (id {image_id!r})"
-        n_before = len(report.problems)
-        why = _id_problem(item, "id")
-        if why is not None:
-            report.add(entry, "id", why)
-        elif image_id in index_of or image_id in bad_ids:
-            first = index_of.get(image_id)
-            where = f" (first at images[{first}])" if first is not None else ""
-            report.add(entry, "id", f"duplicate image id{where}")
-        file_name = item.get("file_name")
-        report.add(entry, "file_name", _name_problem(item, "file_name"))
-        if len(report.problems) > n_before:
-            report.skipped_images += 1
-            if _valid_id(image_id):
-                bad_ids.add(image_id)
-            continue
-        index_of[image_id] = i
-        entries.append((i, image_id, file_name))
+        good = _coco_image(report, i, item, index_of, bad_ids)
+        if good is not None:
+            entries.append(good)
 
     captions: dict[Any, list[str]] = {image_id: [] for _, image_id, _ in entries}
     for j, ann in report.objects(annotations, "annotations", captions=True):
         image_id = ann.get("image_id")
-        entry = f"annotations[{j}] (id {ann.get('id')!r}, image_id {image_id!r})"
-        if "image_id" not in ann:
-            why, field = "missing", "image_id"
-        elif not _valid_id(image_id):
-            why, field = f"expected an int or string, got {_type_name(image_id)}", "image_id"
-        elif image_id not in captions:
-            why, field = ("refers to an image entry that was rejected" if image_id in bad_ids
-                          else "no image with this id in 'images'"), "image_id"
-        else:
-            raw = ann.get("caption")
-            field = "caption"
-            why = "missing" if "caption" not in ann else _caption_problem(raw)
+        raw, field, why = _coco_annotation(ann, captions, bad_ids)
         if why is None:
             captions[image_id].append(raw.strip())
         else:
-            report.add(entry, field, why)
+            report.add(f"annotations[{j}] (id {ann.get('id')!r}, image_id {image_id!r})",
+                       field, why)
             report.skipped_captions += 1
 
     records: list[ImageRecord] = []

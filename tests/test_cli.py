@@ -1,0 +1,227 @@
+"""The command line (captioning.cli.main, captioning/commands/errors.py and
+commands/lightning.py): user errors become one `error:` line and a non-zero status, bugs keep
+their traceback; checkpoints load with `weights_only=True` and an unsafe pickle is refused
+without running; decoding settings given by the user override the checkpoint's; SIGTERM /
+Ctrl-C name the saved checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tiny_runs
+import torch
+import yaml
+from tiny_runs import (
+    BATCHES,
+    _config,
+    _error_lines,
+)
+
+from captioning.cli import main
+from captioning.commands.errors import parser_error_line
+
+# Fixtures shared with the other robustness tests (pytest finds them here by name).
+_one_thread = tiny_runs._one_thread
+_signal_handlers_restored = tiny_runs._signal_handlers_restored
+cache_dir = tiny_runs.cache_dir
+fitted = tiny_runs.fitted
+
+
+class _Evil:
+    """Unpickling this runs code: it creates `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def _evil_checkpoint(fitted: Path, folder: Path) -> tuple[Path, Path]:
+    """A copy of a real checkpoint with a code-running object inside, and its marker file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / "pwned"
+    data = torch.load(fitted, map_location="cpu", weights_only=True)
+    data["hyper_parameters"]["payload"] = _Evil(marker)
+    path = folder / "evil.ckpt"
+    torch.save(data, path)
+    return path, marker
+
+
+# ------------------------------------------------------------------------------------------
+# CLI (in process: captioning.cli.main)
+
+
+def test_cli_sigterm_leaves_a_checkpoint_and_fit_resumes_it(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    stop = {"class_path": "tiny_runs.InterruptAt", "init_args": {"how": "SIGTERM"}}
+    interrupted = _config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir, [stop],
+                          max_epochs=3)
+    assert main(["fit", "--config", str(interrupted)]) == 143
+    err = capsys.readouterr().err
+    assert f"interrupted by SIGTERM; saved {ckpt_dir / 'last.ckpt'} (resume with " \
+           "--ckpt_path last)" in err
+    plain = _config(tmp_path / "b.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir, max_epochs=2)
+    # Resumed with the CLI's default weights_only=True, through LightningCLI's own read of
+    # the checkpoint's hyperparameters.
+    assert main(["fit", "--config", str(plain), "--ckpt_path", "last"]) == 0
+    checkpoint = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 2 * BATCHES and checkpoint["epoch"] == 2
+
+
+def test_cli_decoding_settings_override_the_checkpoints(shapes_dm_kwargs: dict,
+                                                        cache_dir: Path, tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    cfg = _config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir)
+    assert main(["fit", "--config", str(cfg)]) == 0
+    ckpt = ckpt_dir / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["decode"]["max_len"] == 6
+    out = tmp_path / "results"
+    # Lightning alone would take compute_metrics False (no decoding), max_len 6 and
+    # results_dir None from the checkpoint.
+    assert main(["test", "--config", str(cfg), "--ckpt_path", str(ckpt),
+                 "--model.decode.max_len", "2", "--model.compute_metrics", "true",
+                 "--model.results_dir", str(out)]) == 0
+    captions = json.loads((out / "test_captions.json").read_text())
+    assert captions and max(len(c["caption"].split()) for c in captions) <= 2
+    assert max(len(c["caption"].split()) for c in captions) == 2  # an untrained model rambles
+
+
+def test_cli_ctrl_c_exits_130_naming_the_checkpoint(shapes_dm_kwargs: dict, cache_dir: Path,
+                                                    tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    stop = {"class_path": "tiny_runs.InterruptAt",
+            "init_args": {"how": "KeyboardInterrupt", "epoch": 0}}
+    ckpt_dir = tmp_path / "ckpt"
+    cfg = _config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir, [stop])
+    assert main(["fit", "--config", str(cfg)]) == 130
+    assert f"interrupted by Ctrl-C; saved {ckpt_dir / 'last.ckpt'}" in capsys.readouterr().err
+    assert (ckpt_dir / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test"])
+def test_cli_loads_checkpoints_with_weights_only(command: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--print_config"])
+    assert yaml.safe_load(capsys.readouterr().out)["weights_only"] is True
+
+
+def test_cli_non_finite_loss_is_one_error_line(shapes_dm_kwargs: dict, cache_dir: Path,
+                                               tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    nan = {"class_path": "tiny_runs.BreakAt", "init_args": {"what": "nan", "batch": 1}}
+    cfg = _config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt", [nan])
+    assert main(["fit", "--config", str(cfg)]) == 1
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert "non-finite training loss nan at global step 1" in line
+
+
+@pytest.mark.parametrize("command", ["fit", "test"])
+def test_cli_refuses_a_code_running_checkpoint(command: str, fitted: Path,
+                                               shapes_dm_kwargs: dict, cache_dir: Path,
+                                               tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    evil, marker = _evil_checkpoint(fitted, tmp_path / "evil")
+    cfg = _config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    assert main([command, "--config", str(cfg), "--ckpt_path", str(evil)]) == 1
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"{evil}: refused to load" in line and "exec" in line
+    assert "nothing from the file was run" in line
+    assert not marker.exists()
+    torch.load(evil, weights_only=False)  # the control: it really runs code
+    assert marker.exists()
+
+
+def test_cli_subprocess_refuses_a_code_running_checkpoint(fitted: Path, shapes_dm_kwargs: dict,
+                                                          cache_dir: Path,
+                                                          tmp_path: Path) -> None:
+    evil, marker = _evil_checkpoint(fitted, tmp_path / "evil")
+    cfg = _config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-m", "captioning.cli", "fit", "--config", str(cfg),
+                           "--ckpt_path", str(evil)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 1
+    (line,) = _error_lines(proc.stderr)
+    assert "refused to load" in line
+    assert not marker.exists()
+
+
+KARPATHY = "captioning.data.sources.KarpathySplits"
+
+
+def _write_bad_json(path: Path) -> Path:
+    path.write_text('{"images": [\n  {"filename": "a.png",,}\n]}')
+    return path
+
+
+@pytest.mark.parametrize(("args", "status", "words"), [
+    (["fit", "--trainer.max_epochs", "abc"], 2,
+     "--trainer.max_epochs: invalid value 'abc' (expected int or null)"),
+    (["fit", "--model.net.attention", "soft2"], 2,
+     "--model.net.attention: invalid value 'soft2' (expected one of 'soft', 'hard')"),
+    (["fit", "--no_such_option", "1"], 2, "unrecognized arguments: --no_such_option 1"),
+    (["fit", "--config", "{tmp}/missing.yaml"], 2, "--config: File does not exist"),
+    (["fit", "--data.batch_size", "0"], 2, "batch_size must be >= 1, got 0"),
+    (["test", "--ckpt_path", "{tmp}/missing.ckpt"], 1,
+     "{tmp}/missing.ckpt: checkpoint file does not exist"),
+    (["fit", "--data.source", KARPATHY, "--data.source.split_file", "{tmp}/bad.json"], 1,
+     "{tmp}/bad.json: line 2 column 24: field '(json)': malformed JSON"),
+    (["fit", "--data.source", KARPATHY, "--data.source.split_file", "{tmp}/none.json"], 1,
+     "{tmp}/none.json: (file): field '(file)': file does not exist"),
+])
+def test_cli_user_errors_are_one_line(args: list[str], status: int, words: str,
+                                      tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _write_bad_json(tmp_path / "bad.json")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert main([*args, "--trainer.logger", "false"]) == status
+    err = capsys.readouterr().err
+    assert "usage:" not in err
+    (line,) = _error_lines(err)
+    assert words.replace("{tmp}", str(tmp_path)) in line
+
+
+def test_parser_error_line() -> None:
+    assert parser_error_line('Parser key "data.on_bad_data":\n  Expected a typing.Literal['
+                             "'fail', 'skip']. Got value: maybe") == \
+        "--data.on_bad_data: invalid value 'maybe' (expected one of 'fail', 'skip')"
+    assert parser_error_line("unrecognized arguments: --x") == "unrecognized arguments: --x"
+    assert parser_error_line('Parser key "a":\n  Problem:\n    deep') == "--a: Problem: deep"
+
+
+def test_bugs_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(argv: Any) -> int:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr("captioning.commands.shapes.main", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        main(["shapes"])
+
+
+def test_user_given_settings_are_found_in_flags_and_config_files(tmp_path: Path) -> None:
+    from captioning.commands.lightning import given
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"decode": {"beam_size": 5},
+                                             "net": {"hard_decode": "argmax"}}}))
+    model = tmp_path / "m.yaml"
+    model.write_text(yaml.safe_dump({"init_args": {"decode": {"max_len": 9}}}))
+    args = ["test", "--config", str(cfg), "--model", str(model),
+            "--model.decode.length_penalty=0.5", "--model.results_dir", "out"]
+    assert given(args, "model.decode.beam_size") and given(args, "model.net.hard_decode")
+    assert given(args, "model.decode.max_len") and given(args, "model.decode.length_penalty")
+    assert given(args, "model.results_dir")
+    assert not given(args, "model.decode.strategy")
+    assert not given(args, "model.decode.forbid_unk")
+    assert not given(["test", "--config", str(tmp_path / "missing.yaml")],
+                     "model.decode.beam_size")

@@ -1,0 +1,189 @@
+"""Bad input data (captioning/data/datamodule.py, images.py): every image is checked when the
+data is set up (all bad files of all splits listed at once, before any step), odd-but-valid
+images train without a crash, skips are counted and logged to the loggers."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import tiny_runs
+import torch
+from conftest import shapes_source
+from lightning.pytorch.loggers import CSVLogger
+from PIL import Image, ImageFile
+from tiny_runs import (
+    _config,
+    _error_lines,
+    make_dm,
+    make_module,
+    make_trainer,
+)
+
+from captioning.cli import main
+from captioning.data.datamodule import CaptionDataModule
+from captioning.data.images import check_image
+from captioning.data.readers import DataError
+from captioning.data.sources import KarpathySplits
+
+# Fixtures shared with the other robustness tests (pytest finds them here by name).
+_one_thread = tiny_runs._one_thread
+_signal_handlers_restored = tiny_runs._signal_handlers_restored
+cache_dir = tiny_runs.cache_dir
+
+
+# ------------------------------------------------------------------------------------------
+# Data: validated at setup, skipped items counted and logged
+
+
+def _exif_rotated() -> tuple[Image.Image, bytes]:
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return Image.new("RGB", (40, 20), (0, 0, 255)), exif.tobytes()
+
+
+def _odd_images(images: Path) -> None:
+    """Overwrite some images with valid but unusual ones (modes, sizes, EXIF, formats)."""
+    odd: dict[str, Callable[[Path], None]] = {
+        "train_00005.png": lambda p: Image.new("L", (64, 64), 90).save(p),
+        "train_00006.png": lambda p: Image.new("LA", (64, 64), (90, 0)).save(p),
+        "train_00007.png": lambda p: Image.new("P", (64, 64), 3).save(p, transparency=3),
+        "train_00008.png": lambda p: Image.new("RGBA", (64, 64), (9, 9, 9, 128)).save(p),
+        "train_00009.png": lambda p: Image.new("CMYK", (64, 48), (0, 255, 255, 0))
+        .save(p, format="JPEG"),  # JPEG content behind a .png name
+        "train_00010.png": lambda p: Image.new("I;16", (64, 64), 40000).save(p),
+        "train_00011.png": lambda p: Image.new("RGB", (1, 1), (5, 200, 5)).save(p),
+        "train_00012.png": lambda p: _exif_rotated()[0].save(p, format="JPEG",
+                                                             exif=_exif_rotated()[1]),
+        "train_00013.png": lambda p: Image.new("RGB", (3000, 2000), (200, 9, 9)).save(p),
+    }
+    for name, write in odd.items():
+        write(images / name)
+
+
+BAD_IMAGES = ["train_00001.png", "train_00002.png", "train_00003.png", "train_00004.png",
+              "val_00001.png"]
+
+
+def _bad_images(images: Path) -> None:
+    """Break some train and val images in every way (`BAD_IMAGES`)."""
+    (images / "train_00001.png").write_bytes(b"")
+    data = (images / "train_00002.png").read_bytes()
+    (images / "train_00002.png").write_bytes(data[: len(data) // 2])
+    (images / "train_00003.png").write_text("not an image at all")
+    (images / "train_00004.png").unlink()
+    corrupt = bytearray((images / "val_00001.png").read_bytes())
+    corrupt[60] ^= 0xFF  # inside the first IDAT chunk: its CRC no longer matches
+    (images / "val_00001.png").write_bytes(bytes(corrupt))
+
+
+@pytest.fixture(scope="module")
+def messy_root(shapes_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shapes dataset with broken and with unusual-but-valid images."""
+    root = tmp_path_factory.mktemp("messy") / "shapes"
+    shutil.copytree(shapes_root, root)
+    _odd_images(root / "images")
+    _bad_images(root / "images")
+    return root
+
+
+@pytest.fixture
+def messy_kwargs(messy_root: Path, shapes_dm_kwargs: dict) -> dict[str, Any]:
+    """Data module arguments for it, read as a Karpathy file (the shapes reader would
+    regenerate a dataset with missing files)."""
+    return {**shapes_dm_kwargs, "min_word_count": 1,
+            "source": KarpathySplits(split_file=str(messy_root / "dataset_shapes.json"))}
+
+
+class _CountSteps(L.Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.steps += 1
+
+
+def test_bad_images_of_every_split_fail_setup_before_any_step(
+        messy_root: Path, messy_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    dm = make_dm(messy_kwargs, cache_dir)
+    counter = _CountSteps()
+    with pytest.raises(DataError) as info:
+        make_trainer(tmp_path / "ckpt", counter).fit(make_module(dm), datamodule=dm)
+    assert counter.steps == 0
+    problems = {Path(p.file).name: p for p in info.value.problems}
+    assert sorted(problems) == BAD_IMAGES
+    assert "empty (0 bytes)" in problems["train_00001.png"].message
+    assert "truncated" in problems["train_00002.png"].message
+    assert "not an image" in problems["train_00003.png"].message
+    assert "does not exist" in problems["train_00004.png"].message
+    assert problems["val_00001.png"].entry.startswith("val image")
+    msg = str(info.value)
+    assert msg.startswith("5 problems in the data:")
+    assert f"{messy_root / 'images' / 'train_00003.png'}: train image" in msg
+    assert "field 'image'" in msg
+    # The same through the CLI: the listing after one `error:` line, status 1.
+    cfg = _config(tmp_path / "c.yaml", messy_kwargs, cache_dir, tmp_path / "ckpt")
+    assert main(["fit", "--config", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    (line,) = _error_lines(err)
+    assert line == "error: 5 problems in the data:"
+    assert "train_00004.png: train image" in err and "Traceback" not in err
+
+
+def test_skip_policy_trains_on_the_rest_and_logs_the_counts(messy_kwargs: dict,
+                                                          tmp_path: Path) -> None:
+    # No feature cache: every remaining image (odd modes, 1x1, 3000x2000, EXIF, CMYK JPEG,
+    # 16-bit) is decoded by the training and validation loaders, mid-epoch.
+    dm = CaptionDataModule(**{**messy_kwargs, "batch_size": 16, "on_bad_data": "skip",
+                              "feature_cache": False})
+    module = make_module(dm)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = L.Trainer(max_epochs=1, limit_val_batches=None, num_sanity_val_steps=0,
+                        logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(module, datamodule=dm)
+    assert dm.skipped == {"captions": 0, "images": 0, "image_files": 5}
+    assert len(dm.records("train")) == 20 and len(dm.records("val")) == 7
+    assert trainer.global_step == math.ceil(20 * 5 / 16)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    rows = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    first = dict(zip(header, rows[1].split(",")))
+    assert float(first["data/skipped_image_files"]) == 5.0
+    assert float(first["data/skipped_captions"]) == 0.0
+
+
+def test_split_left_empty_by_skipping_names_the_file(shapes_root: Path,
+                                                     shapes_dm_kwargs: dict,
+                                                     tmp_path: Path) -> None:
+    root = tmp_path / "shapes"
+    shutil.copytree(shapes_root, root)
+    for p in (root / "images").glob("val_*.png"):
+        p.write_bytes(b"")
+    dm = CaptionDataModule(**{**shapes_dm_kwargs, "source": shapes_source(root),
+                              "on_bad_data": "skip", "feature_cache": False})
+    with pytest.raises(DataError, match=r"dataset_shapes\.json: val split: field 'split': the "
+                                        r"val split has no usable images"):
+        dm.setup("fit")
+    assert dm.skipped["image_files"] == 8
+
+
+def test_header_check_decodes_no_pixels(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    png, jpg = tmp_path / "a.png", tmp_path / "a.jpg"
+    Image.new("RGB", (300, 200), (1, 2, 3)).save(png)
+    _exif_rotated()[0].save(jpg, exif=_exif_rotated()[1])
+
+    def no_decoding(self: Any) -> None:
+        raise AssertionError("pixel data decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    assert check_image(png) == (300, 200)
+    assert check_image(jpg) == (20, 40)  # orientation 6: width and height swap

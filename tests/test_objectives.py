@@ -1,0 +1,95 @@
+"""Training objectives: the registry, and the state each objective owns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import Tensor
+
+from captioning.models import Captioner, CaptionerConfig
+from captioning.objectives import (
+    ESTIMATORS,
+    ExpectedReinforce,
+    MaximumLikelihood,
+    Reinforce,
+    TokenReinforce,
+    build_objective,
+    register,
+)
+
+V, L, D = 12, 4, 512
+
+
+def _captioner(attention: str, hard_decode: str = "expected") -> Captioner:
+    torch.manual_seed(0)
+    return Captioner(CaptionerConfig(vocab_size=V, backbone="resnet18", grid_size=None,
+                                     embed_dim=8, hidden_dim=8, attn_dim=8, dropout=0.0,
+                                     attention=attention, semi_sampling_prob=0.0,
+                                     hard_decode=hard_decode))
+
+
+def _batch() -> SimpleNamespace:
+    captions = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 2, 0], [1, 4, 2, 0, 0]])
+    return SimpleNamespace(captions=captions, lengths=torch.tensor([5, 4, 3]))
+
+
+def test_build_picks_the_class_by_attention_and_advantage() -> None:
+    assert type(build_objective(attention="soft", advantage="token")) is MaximumLikelihood
+    for name, cls in (("sequence", Reinforce), ("token", TokenReinforce),
+                      ("expected", ExpectedReinforce)):
+        objective = build_objective(attention="hard", advantage=name, vocab_size=V,
+                                    reward_scale=0.5, doubly_stochastic=0.0)
+        assert type(objective) is cls and objective.reward_scale == 0.5
+    with pytest.raises(ValueError, match="advantage must be one of"):
+        build_objective(attention="hard", advantage="nope")
+
+
+@pytest.fixture
+def constant_estimator() -> Iterator[type[Reinforce]]:
+    @register("constant")
+    class Constant(Reinforce):
+        def reward_and_baseline(self, captioner: Captioner, features: Tensor, batch: object,
+                                word_ll: Tensor, mask: Tensor,
+                                sampled: Tensor | None) -> tuple[Tensor, Tensor]:
+            return word_ll.sum(dim=1), torch.tensor(-3.0)
+
+    yield Constant
+    del ESTIMATORS["constant"]
+
+
+def test_a_new_estimator_is_one_class_and_a_config_value(
+        constant_estimator: type[Reinforce]) -> None:
+    from captioning.lit_module import CaptioningModule
+
+    module = CaptioningModule(net=_captioner("hard").config, advantage="constant")
+    assert type(module.objective) is constant_estimator
+    parts = module.losses(_batch(), torch.randn(3, L, D))
+    assert torch.isfinite(parts["loss"]) and "reinforce" in parts
+
+
+@pytest.mark.parametrize("advantage", ["sequence", "token"])
+def test_baselines_move_in_training_only(advantage: str) -> None:
+    captioner = _captioner("hard", hard_decode="sample").eval()  # eval still samples
+    objective = build_objective(attention="hard", advantage=advantage, vocab_size=V)
+    features = torch.randn(3, L, D)
+    before = {k: v.clone() for k, v in objective.state_dict().items()}
+    objective.eval()
+    parts = objective(captioner, features, _batch())
+    assert "reinforce" in parts  # the REINFORCE terms ran on sampled locations
+    assert all(torch.equal(v, before[k]) for k, v in objective.state_dict().items())
+    objective.train()
+    captioner.train()
+    objective(captioner, features, _batch())
+    assert not torch.equal(objective.baseline.value, before["baseline.value"])
+    if advantage == "token":
+        assert bool(objective.token_baseline.seen[[4, 5, 6, 7, 8, 9, 2]].all())
+
+
+def test_maximum_likelihood_is_the_nll_plus_the_penalty() -> None:
+    captioner = _captioner("soft")
+    parts = MaximumLikelihood(doubly_stochastic=0.3)(captioner, torch.randn(3, L, D), _batch())
+    torch.testing.assert_close(parts["loss"], parts["nll"] + 0.3 * parts["doubly_stochastic"])
+    assert set(parts) == {"loss", "nll", "nll_per_word", "doubly_stochastic"}

@@ -1,0 +1,211 @@
+"""Shared helpers of the robustness tests (test_interrupt, test_lit_module, test_cli,
+test_data_checks): tiny models and data modules, trainers that save `last.ckpt`, state
+snapshots, callbacks that interrupt or break a run (also used through the CLI, by class path
+`tiny_runs.InterruptAt` / `tiny_runs.BreakAt`), a complete `captioning fit` config, and the
+fixtures the test modules import (the autouse ones apply to each module that imports them).
+
+Uses the session's tiny shapes dataset (conftest) and tiny models (resnet18 without weights,
+2x2 grid, 16-32 dims, 64 px, cached features).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from captioning.callbacks import CheckpointOnInterrupt
+from captioning.data.datamodule import CaptionDataModule
+from captioning.data.sources import DataSource
+from captioning.lit_module import CaptioningModule
+from captioning.models.captioner import CaptionerConfig, DecodeConfig
+
+REPO = Path(__file__).resolve().parent.parent
+NET: dict[str, Any] = {"backbone": "resnet18", "weights": None, "grid_size": 2,
+                       "image_size": 64, "embed_dim": 16, "hidden_dim": 32, "attn_dim": 16,
+                       "dropout": 0.5}
+BATCHES = 3  # training batches per epoch (of 8 pairs)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny models are op-overhead bound: one intra-op thread is faster on CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Whatever a test does, SIGINT and SIGTERM keep their handlers."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    after = {s: signal.getsignal(s) for s in before}
+    for s, handler in before.items():
+        signal.signal(s, handler)
+    assert after == before
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One feature cache for the module (keyed by the encoder weights)."""
+    return tmp_path_factory.mktemp("features")
+
+
+def make_dm(kwargs: dict[str, Any], cache_dir: Path, **over: Any) -> CaptionDataModule:
+    return CaptionDataModule(**{**kwargs, "batch_size": 8, "feature_cache": True,
+                                "cache_dir": str(cache_dir), **over})
+
+
+def make_module(dm: CaptionDataModule, attention: str = "soft", **net: Any) -> CaptioningModule:
+    config = CaptionerConfig(**{**NET, "attention": attention, **net})
+    return CaptioningModule(vocab_size=dm.vocab_size, net=config, compute_metrics=False,
+                            decode=DecodeConfig(strategy="greedy", max_len=6))
+
+
+def make_trainer(ckpt_dir: Path, *callbacks: L.Callback, max_epochs: int = 2,
+                 save_top_k: int = 0, logger: Any = False, **kw: Any) -> L.Trainer:
+    ckpt = ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True, save_top_k=save_top_k)
+    return L.Trainer(max_epochs=max_epochs, limit_train_batches=BATCHES, limit_val_batches=1,
+                     num_sanity_val_steps=0, logger=logger, enable_progress_bar=False,
+                     enable_model_summary=False, accelerator="cpu", devices=1,
+                     callbacks=[ckpt, CheckpointOnInterrupt(), *callbacks],
+                     default_root_dir=str(ckpt_dir.parent), **kw)
+
+
+def snapshot(module: L.LightningModule, trainer: L.Trainer | None = None) -> dict[str, Any]:
+    """Every tensor of the module's state dict and of the optimiser state, cloned."""
+    out: dict[str, Any] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    if trainer is not None and trainer.optimizers:
+        out["optimizer"] = copy.deepcopy(trainer.optimizers[0].state_dict()["state"])
+    return out
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if k == "optimizer":
+            assert a[k].keys() == b[k].keys()
+            for i in a[k]:
+                for name, t in a[k][i].items():
+                    assert torch.equal(t, b[k][i][name]), f"optimizer state {i}.{name} differs"
+        else:
+            assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+# ------------------------------------------------------------------------------------------
+# Callbacks that interrupt or break a run (also used through the CLI, by class path)
+
+
+class InterruptAt(L.Callback):
+    """Interrupt fit: `how` = "KeyboardInterrupt" (raised at the start of epoch `epoch`),
+    "SIGTERM" / "SIGINT" (sent to this process at the end of epoch `epoch`, or after training
+    batch `batch` of it), `presses` times."""
+
+    def __init__(self, how: str = "SIGTERM", epoch: int = 0, batch: int | None = None,
+                 presses: int = 1) -> None:
+        self.how, self.epoch, self.batch, self.presses = how, epoch, batch, presses
+
+    def _signal(self) -> None:
+        for _ in range(self.presses):
+            os.kill(os.getpid(), getattr(signal, self.how))
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.how == "KeyboardInterrupt" and trainer.current_epoch == self.epoch:
+            raise KeyboardInterrupt
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if self.how != "KeyboardInterrupt" and self.batch == batch_idx and \
+                trainer.current_epoch == self.epoch:
+            self._signal()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.how != "KeyboardInterrupt" and self.batch is None and \
+                trainer.current_epoch == self.epoch:
+            self._signal()
+
+
+class BreakAt(L.Callback):
+    """At training batch `batch`: remember the state, then make the input NaN ("nan") or a
+    parameter's gradient inf ("inf_grad")."""
+
+    def __init__(self, what: str = "nan", batch: int = 2) -> None:
+        self.what, self.batch = what, batch
+        self.before: dict[str, Any] | None = None
+        self.image_id: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if batch_idx != self.batch:
+            return
+        self.before = snapshot(pl_module, trainer)
+        if self.what == "nan":
+            batch.images[1] = float("nan")
+            self.image_id = batch.image_ids[1]
+        else:
+            p = pl_module.captioner.decoder.out.weight
+            p.register_hook(lambda g: torch.full_like(g, math.inf))
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+@pytest.fixture(scope="module")
+def fitted(shapes_dm_kwargs: dict, cache_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """last.ckpt of one soft-attention epoch."""
+    L.seed_everything(0)
+    dm = make_dm(shapes_dm_kwargs, cache_dir)
+    ckpt_dir = tmp_path_factory.mktemp("fitted") / "ckpt"
+    make_trainer(ckpt_dir, max_epochs=1).fit(make_module(dm), datamodule=dm)
+    return ckpt_dir / "last.ckpt"
+
+
+# ------------------------------------------------------------------------------------------
+# CLI (in process: captioning.cli.main)
+
+
+def _config(path: Path, shapes_dm_kwargs: dict, cache_dir: Path, ckpt_dir: Path,
+            callbacks: list[dict[str, Any]] = (), **trainer: Any) -> Path:
+    """A complete `captioning fit` config for the tiny model and data."""
+    data = {k: v.config() if isinstance(v, DataSource) else v  # class_path / init_args
+            for k, v in shapes_dm_kwargs.items()}
+    data.update(batch_size=8, feature_cache=True, cache_dir=str(cache_dir))
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_epochs": 1,
+                    "limit_train_batches": BATCHES, "limit_val_batches": 1,
+                    "num_sanity_val_steps": 0, "logger": False, "enable_progress_bar": False,
+                    "enable_model_summary": False, "default_root_dir": str(ckpt_dir.parent),
+                    "callbacks": [
+                        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                         "init_args": {"dirpath": str(ckpt_dir), "save_last": True,
+                                       "save_top_k": 0}},
+                        {"class_path": "captioning.callbacks.CheckpointOnInterrupt"},
+                        *callbacks],
+                    **trainer},
+        "model": {"net": {k: v for k, v in NET.items() if k != "image_size"},
+                  "compute_metrics": False, "decode": {"strategy": "greedy", "max_len": 6}},
+        "data": data,
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _error_lines(err: str) -> list[str]:
+    assert "Traceback" not in err
+    return [ln for ln in err.splitlines() if ln.startswith("error:")]
+
