@@ -95,7 +95,8 @@ def compute_metrics(results: EvalResults, *, grid: tuple[int, int],
                     image_size: int | None = None) -> dict[str, float]:
     """coco-caption scores, plus objects correct and pointing accuracy when the data source
     has object boxes (`grounding`)."""
-    from captioning.metrics import coco_scores, objects_correct, pointing_accuracy
+    from captioning.metrics import coco_scores, objects_correct
+    from captioning.pointing import pointing_accuracy
 
     metrics = coco_scores(results.references, results.hypotheses)
     if grounding is None:

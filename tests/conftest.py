@@ -16,6 +16,7 @@ from captioning.data.sources import ShapesSource
 from captioning.vocab import tokenize
 
 pytest.register_assert_rewrite("tiny_runs")  # its helpers' asserts report in detail
+from tiny_runs import cache_dir, fitted, signal_handlers_restored  # noqa: E402, F401 (fixtures)
 
 #: Parameters of the session's shapes dataset (ShapesSource / generate_shapes arguments).
 SHAPES_PARAMS: dict[str, int] = {"num_train": 24, "num_val": 8, "num_test": 8,

@@ -14,23 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tiny_runs
 import torch
 import yaml
 from tiny_runs import (
     BATCHES,
-    _config,
-    _error_lines,
+    cli_config,
+    error_lines,
 )
 
 from captioning.cli import main
 from captioning.commands.errors import parser_error_line
 
-# Fixtures shared with the other robustness tests (pytest finds them here by name).
-_one_thread = tiny_runs._one_thread
-_signal_handlers_restored = tiny_runs._signal_handlers_restored
-cache_dir = tiny_runs.cache_dir
-fitted = tiny_runs.fitted
+pytestmark = pytest.mark.usefixtures("signal_handlers_restored")
 
 
 class _Evil:
@@ -63,13 +58,13 @@ def test_cli_sigterm_leaves_a_checkpoint_and_fit_resumes_it(
         capsys: pytest.CaptureFixture[str]) -> None:
     ckpt_dir = tmp_path / "ckpt"
     stop = {"class_path": "tiny_runs.InterruptAt", "init_args": {"how": "SIGTERM"}}
-    interrupted = _config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir, [stop],
+    interrupted = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir, [stop],
                           max_epochs=3)
     assert main(["fit", "--config", str(interrupted)]) == 143
     err = capsys.readouterr().err
     assert f"interrupted by SIGTERM; saved {ckpt_dir / 'last.ckpt'} (resume with " \
            "--ckpt_path last)" in err
-    plain = _config(tmp_path / "b.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir, max_epochs=2)
+    plain = cli_config(tmp_path / "b.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir, max_epochs=2)
     # Resumed with the CLI's default weights_only=True, through LightningCLI's own read of
     # the checkpoint's hyperparameters.
     assert main(["fit", "--config", str(plain), "--ckpt_path", "last"]) == 0
@@ -80,7 +75,7 @@ def test_cli_sigterm_leaves_a_checkpoint_and_fit_resumes_it(
 def test_cli_decoding_settings_override_the_checkpoints(shapes_dm_kwargs: dict,
                                                         cache_dir: Path, tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    cfg = _config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir)
+    cfg = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir)
     assert main(["fit", "--config", str(cfg)]) == 0
     ckpt = ckpt_dir / "last.ckpt"
     assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["decode"]["max_len"] == 6
@@ -101,7 +96,7 @@ def test_cli_ctrl_c_exits_130_naming_the_checkpoint(shapes_dm_kwargs: dict, cach
     stop = {"class_path": "tiny_runs.InterruptAt",
             "init_args": {"how": "KeyboardInterrupt", "epoch": 0}}
     ckpt_dir = tmp_path / "ckpt"
-    cfg = _config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir, [stop])
+    cfg = cli_config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir, [stop])
     assert main(["fit", "--config", str(cfg)]) == 130
     assert f"interrupted by Ctrl-C; saved {ckpt_dir / 'last.ckpt'}" in capsys.readouterr().err
     assert (ckpt_dir / "last.ckpt").is_file()
@@ -119,9 +114,9 @@ def test_cli_non_finite_loss_is_one_error_line(shapes_dm_kwargs: dict, cache_dir
                                                tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     nan = {"class_path": "tiny_runs.BreakAt", "init_args": {"what": "nan", "batch": 1}}
-    cfg = _config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt", [nan])
+    cfg = cli_config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt", [nan])
     assert main(["fit", "--config", str(cfg)]) == 1
-    (line,) = _error_lines(capsys.readouterr().err)
+    (line,) = error_lines(capsys.readouterr().err)
     assert "non-finite training loss nan at global step 1" in line
 
 
@@ -131,9 +126,9 @@ def test_cli_refuses_a_code_running_checkpoint(command: str, fitted: Path,
                                                tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     evil, marker = _evil_checkpoint(fitted, tmp_path / "evil")
-    cfg = _config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    cfg = cli_config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
     assert main([command, "--config", str(cfg), "--ckpt_path", str(evil)]) == 1
-    (line,) = _error_lines(capsys.readouterr().err)
+    (line,) = error_lines(capsys.readouterr().err)
     assert f"{evil}: refused to load" in line and "exec" in line
     assert "nothing from the file was run" in line
     assert not marker.exists()
@@ -145,12 +140,12 @@ def test_cli_subprocess_refuses_a_code_running_checkpoint(fitted: Path, shapes_d
                                                           cache_dir: Path,
                                                           tmp_path: Path) -> None:
     evil, marker = _evil_checkpoint(fitted, tmp_path / "evil")
-    cfg = _config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    cfg = cli_config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
     proc = subprocess.run([sys.executable, "-m", "captioning.cli", "fit", "--config", str(cfg),
                            "--ckpt_path", str(evil)], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 1
-    (line,) = _error_lines(proc.stderr)
+    (line,) = error_lines(proc.stderr)
     assert "refused to load" in line
     assert not marker.exists()
 
@@ -187,7 +182,7 @@ def test_cli_user_errors_are_one_line(args: list[str], status: int, words: str,
     assert main([*args, "--trainer.logger", "false"]) == status
     err = capsys.readouterr().err
     assert "usage:" not in err
-    (line,) = _error_lines(err)
+    (line,) = error_lines(err)
     assert words.replace("{tmp}", str(tmp_path)) in line
 
 

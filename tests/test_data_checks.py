@@ -12,14 +12,13 @@ from typing import Any
 
 import lightning.pytorch as L
 import pytest
-import tiny_runs
 import torch
 from conftest import shapes_source
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image, ImageFile
 from tiny_runs import (
-    _config,
-    _error_lines,
+    cli_config,
+    error_lines,
     make_dm,
     make_module,
     make_trainer,
@@ -31,10 +30,7 @@ from captioning.data.images import check_image
 from captioning.data.readers import DataError
 from captioning.data.sources import KarpathySplits
 
-# Fixtures shared with the other robustness tests (pytest finds them here by name).
-_one_thread = tiny_runs._one_thread
-_signal_handlers_restored = tiny_runs._signal_handlers_restored
-cache_dir = tiny_runs.cache_dir
+pytestmark = pytest.mark.usefixtures("signal_handlers_restored")
 
 
 # ------------------------------------------------------------------------------------------
@@ -128,10 +124,10 @@ def test_bad_images_of_every_split_fail_setup_before_any_step(
     assert f"{messy_root / 'images' / 'train_00003.png'}: train image" in msg
     assert "field 'image'" in msg
     # The same through the CLI: the listing after one `error:` line, status 1.
-    cfg = _config(tmp_path / "c.yaml", messy_kwargs, cache_dir, tmp_path / "ckpt")
+    cfg = cli_config(tmp_path / "c.yaml", messy_kwargs, cache_dir, tmp_path / "ckpt")
     assert main(["fit", "--config", str(cfg)]) == 1
     err = capsys.readouterr().err
-    (line,) = _error_lines(err)
+    (line,) = error_lines(err)
     assert line == "error: 5 problems in the data:"
     assert "train_00004.png: train image" in err and "Traceback" not in err
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import lightning.pytorch as L
 import pytest
-import tiny_runs
 import torch
 from tiny_runs import (
     BATCHES,
@@ -25,10 +24,7 @@ from tiny_runs import (
 
 from captioning.checkpoint import CHECKPOINT_RNG_KEY
 
-# Fixtures shared with the other robustness tests (pytest finds them here by name).
-_one_thread = tiny_runs._one_thread
-_signal_handlers_restored = tiny_runs._signal_handlers_restored
-cache_dir = tiny_runs.cache_dir
+pytestmark = pytest.mark.usefixtures("signal_handlers_restored")
 
 
 # ------------------------------------------------------------------------------------------

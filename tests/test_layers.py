@@ -20,7 +20,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "captioning"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("captioning", "captioning.vocab"),
     ("captioning.models", "captioning.data", "captioning.losses", "captioning.viz"),
-    ("captioning.metrics", "captioning.objectives", "captioning.checkpoint"),
+    ("captioning.metrics", "captioning.pointing", "captioning.objectives",
+     "captioning.checkpoint"),
     ("captioning.evaluation",),
     ("captioning.lit_module", "captioning.callbacks"),
     ("captioning.commands",),

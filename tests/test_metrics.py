@@ -16,10 +16,10 @@ from captioning import metrics
 from captioning.metrics import (
     coco_scores,
     objects_correct,
-    pointing_accuracy,
     spice_available,
     strip_special_tokens,
 )
+from captioning.pointing import pointing_accuracy
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="needs Java")
 

@@ -1,8 +1,9 @@
 """Shared helpers of the robustness tests (test_interrupt, test_lit_module, test_cli,
 test_data_checks): tiny models and data modules, trainers that save `last.ckpt`, state
 snapshots, callbacks that interrupt or break a run (also used through the CLI, by class path
-`tiny_runs.InterruptAt` / `tiny_runs.BreakAt`), a complete `captioning fit` config, and the
-fixtures the test modules import (the autouse ones apply to each module that imports them).
+`tiny_runs.InterruptAt` / `tiny_runs.BreakAt`), a complete `captioning fit` config, and
+fixtures (`cache_dir`, `fitted`, `signal_handlers_restored`), which conftest.py makes available
+to every test module.
 
 Uses the session's tiny shapes dataset (conftest) and tiny models (resnet18 without weights,
 2x2 grid, 16-32 dims, 64 px, cached features).
@@ -37,17 +38,8 @@ NET: dict[str, Any] = {"backbone": "resnet18", "weights": None, "grid_size": 2,
 BATCHES = 3  # training batches per epoch (of 8 pairs)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models are op-overhead bound: one intra-op thread is faster on CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _signal_handlers_restored() -> Iterator[None]:
+@pytest.fixture
+def signal_handlers_restored() -> Iterator[None]:
     """Whatever a test does, SIGINT and SIGTERM keep their handlers."""
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     yield
@@ -178,7 +170,7 @@ def fitted(shapes_dm_kwargs: dict, cache_dir: Path,
 # CLI (in process: captioning.cli.main)
 
 
-def _config(path: Path, shapes_dm_kwargs: dict, cache_dir: Path, ckpt_dir: Path,
+def cli_config(path: Path, shapes_dm_kwargs: dict, cache_dir: Path, ckpt_dir: Path,
             callbacks: list[dict[str, Any]] = (), **trainer: Any) -> Path:
     """A complete `captioning fit` config for the tiny model and data."""
     data = {k: v.config() if isinstance(v, DataSource) else v  # class_path / init_args
@@ -205,7 +197,7 @@ def _config(path: Path, shapes_dm_kwargs: dict, cache_dir: Path, ckpt_dir: Path,
     return path
 
 
-def _error_lines(err: str) -> list[str]:
+def error_lines(err: str) -> list[str]:
     assert "Traceback" not in err
     return [ln for ln in err.splitlines() if ln.startswith("error:")]
 
