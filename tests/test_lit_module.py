@@ -11,16 +11,8 @@ from typing import Any
 
 import lightning.pytorch as L
 import pytest
+import tiny_runs as runs
 import torch
-from tiny_runs import (
-    NET,
-    BreakAt,
-    assert_same,
-    make_dm,
-    make_module,
-    make_trainer,
-    snapshot,
-)
 
 from captioning.checkpoint import CheckpointError
 
@@ -37,10 +29,10 @@ def test_non_finite_values_stop_before_the_weights_change(
         shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path, attention: str,
         what: str) -> None:
     L.seed_everything(0)
-    dm = make_dm(shapes_dm_kwargs, cache_dir)
-    module = make_module(dm, attention)
-    breaker = BreakAt(what, batch=2)
-    trainer = make_trainer(tmp_path / "ckpt", breaker, max_epochs=1)
+    dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
+    module = runs.make_module(dm, attention)
+    breaker = runs.BreakAt(what, batch=2)
+    trainer = runs.make_trainer(tmp_path / "ckpt", breaker, max_epochs=1)
     with pytest.raises(FloatingPointError) as info:
         trainer.fit(module, datamodule=dm)
     msg = str(info.value)
@@ -50,7 +42,7 @@ def test_non_finite_values_stop_before_the_weights_change(
     else:
         assert "captioner.decoder.out.weight" in msg  # the first non-finite gradient
     assert breaker.before is not None
-    assert_same(snapshot(module, trainer), breaker.before)
+    runs.assert_same(runs.snapshot(module, trainer), breaker.before)
     assert not (tmp_path / "ckpt" / "last.ckpt").exists()  # not an interruption: no save
 
 
@@ -77,25 +69,25 @@ def test_checkpoint_holds_only_tensors_and_plain_data(fitted: Path) -> None:
     odd = [(w, type(v).__name__) for w, v in _leaves(checkpoint) if not isinstance(v, plain)]
     assert not odd
     assert isinstance(checkpoint["captioning_vocab"], dict)
-    assert checkpoint["captioning_model_config"]["hidden_dim"] == NET["hidden_dim"]
+    assert checkpoint["captioning_model_config"]["hidden_dim"] == runs.NET["hidden_dim"]
 
 
 def test_mismatched_vocabulary_or_config_is_named(fitted: Path, shapes_dm_kwargs: dict,
                                                   cache_dir: Path, tmp_path: Path) -> None:
-    dm = make_dm(shapes_dm_kwargs, cache_dir, max_vocab_size=12)  # another vocabulary
-    trainer = make_trainer(tmp_path / "a", max_epochs=1)
+    dm = runs.make_dm(shapes_dm_kwargs, cache_dir, max_vocab_size=12)  # another vocabulary
+    trainer = runs.make_trainer(tmp_path / "a", max_epochs=1)
     with pytest.raises(CheckpointError, match=r"vocabulary \(\d+ words\) is not the data's"):
-        trainer.validate(make_module(dm), datamodule=dm, ckpt_path=str(fitted),
+        trainer.validate(runs.make_module(dm), datamodule=dm, ckpt_path=str(fitted),
                          weights_only=True)
-    dm = make_dm(shapes_dm_kwargs, cache_dir)
-    trainer = make_trainer(tmp_path / "b", max_epochs=1)
+    dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
+    trainer = runs.make_trainer(tmp_path / "b", max_epochs=1)
     with pytest.raises(CheckpointError, match=r"do not fit this model.*hidden_dim=32 "
                                               r"\(this model 16\)"):
-        trainer.validate(make_module(dm, hidden_dim=16), datamodule=dm, ckpt_path=str(fitted),
+        trainer.validate(runs.make_module(dm, hidden_dim=16), datamodule=dm, ckpt_path=str(fitted),
                          weights_only=True)
     data = torch.load(fitted, map_location="cpu", weights_only=True)
     del data["captioning_model_config"], data["hyper_parameters"]["net"]
     torch.save(data, tmp_path / "no_config.ckpt")
     with pytest.raises(CheckpointError, match="has no captioning model config"):
-        trainer.validate(make_module(dm, hidden_dim=16), datamodule=dm,
+        trainer.validate(runs.make_module(dm, hidden_dim=16), datamodule=dm,
                          ckpt_path=str(tmp_path / "no_config.ckpt"), weights_only=True)
