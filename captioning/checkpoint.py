@@ -142,17 +142,14 @@ def _config(path: Path, data: dict[str, Any]) -> CaptionerConfig:
         raise CheckpointError(f"{path}: invalid model config: {e}") from None
 
 
-def check_checkpoint_file(ckpt_path: str | os.PathLike[str] | None) -> None:
-    """Refuse a missing checkpoint, or one whose pickle would run code, before Lightning opens it.
-
-    Only the pickle is parsed (`mmap`: the tensors stay on disk), and an unsafe one is refused
-    before anything in it runs. Lightning's special values ("last", "best", ...) and URLs are
-    left to Lightning.
-    """
+def check_checkpoint_file(ckpt_path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """Refuse a missing checkpoint, or one whose pickle would run code, before Lightning opens
+    it; returns its contents with the tensors left on disk (`mmap`), or None for Lightning's
+    special values ("last", "best", ...) and URLs, which are left to Lightning."""
     text = "" if ckpt_path is None else str(ckpt_path)
     if not text or text in SPECIAL_CKPT_PATHS or "://" in text or text.startswith("registry:"):
-        return
-    read_checkpoint(Path(text), "cpu", mmap=True)
+        return None
+    return read_checkpoint(Path(text), "cpu", mmap=True)
 
 
 def upgrade_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:

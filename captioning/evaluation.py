@@ -10,7 +10,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -18,20 +18,10 @@ from torch import Tensor
 from captioning.models.decoding import Generation
 from captioning.vocab import Vocabulary
 
+if TYPE_CHECKING:  # the data sources' object boxes (captioning.data.sources)
+    from captioning.data.sources import ObjectBoxes
+
 log = logging.getLogger(__name__)
-
-
-class Grounding(Protocol):
-    """Object boxes of a data source, for the grounded metrics (objects correct, pointing)."""
-
-    object_words: Any
-    color_words: Any
-    modifier_words: Any
-
-    def __contains__(self, image_id: object) -> bool: ...
-    def objects(self, image_id: Any) -> set[tuple[str, str]]: ...
-    def parse(self, caption: str) -> set[tuple[str, str]]: ...
-    def crop_boxes(self, image_ids: list[Any], size: int) -> list[list[dict[str, Any]]]: ...
 
 
 @dataclass
@@ -91,7 +81,7 @@ def gather(results: EvalResults, world_size: int) -> EvalResults:
 
 
 def compute_metrics(results: EvalResults, *, grid: tuple[int, int],
-                    grounding: Grounding | None = None,
+                    grounding: ObjectBoxes | None = None,
                     image_size: int | None = None) -> dict[str, float]:
     """coco-caption scores, plus objects correct and pointing accuracy when the data source
     has object boxes (`grounding`)."""

@@ -30,7 +30,10 @@ from captioning.vocab import Vocabulary
 
 
 class CaptioningModule(L.LightningModule):
-    """Trains a Show, Attend and Tell captioner with soft or hard attention."""
+    """Trains a Show, Attend and Tell captioner with soft or hard attention.
+
+    `advantage` names the hard-attention REINFORCE estimator (`captioning.objectives.ESTIMATORS`:
+    "sequence", "token", "expected", or one registered with `@register`)."""
 
     def __init__(
         self,
@@ -47,7 +50,7 @@ class CaptioningModule(L.LightningModule):
         reward_scale: float = 0.1,
         entropy_weight: float = 0.002,
         baseline_momentum: float = 0.9,
-        advantage: Literal["sequence", "token", "expected"] = "sequence",
+        advantage: str = "sequence",
         compute_metrics: bool = True,
         results_dir: str | None = None,
         compile: bool = False,

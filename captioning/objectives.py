@@ -128,9 +128,10 @@ class Reinforce(MaximumLikelihood):
         if sampled is not None and bool(sampled.any()):
             # the whole caption's advantage (step 0 of a reward-to-go)
             parts["advantage"] = (reward - base).reshape(len(reward), -1)[sampled, 0].mean()
-            parts["reward"] = word_ll.sum(dim=1)[sampled].mean()
+            loglik = word_ll.sum(dim=1)[sampled]  # log p(y | s̃, a) of the sampled captions
+            parts["reward"] = loglik.mean()
             if self.training and bool(torch.isfinite(parts["reward"])):  # NaN must not poison b
-                self.baseline.update(word_ll.sum(dim=1)[sampled])
+                self.baseline.update(loglik)
         parts["baseline"] = self.baseline.value.clone()
         return parts
 

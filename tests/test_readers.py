@@ -12,7 +12,7 @@ import pytest
 from captioning.data.readers import (
     DataError,
     Problem,
-    _has_tokens,
+    has_tokens,
     read_coco_captions,
     read_karpathy,
 )
@@ -188,4 +188,4 @@ def test_skip_policy_drops_and_counts(tmp_path: Path, write_karpathy: Callable) 
 @pytest.mark.parametrize("text", ["", " ", "...", "a", "Ünïcode ok", "K", "İ", "—", "it's",
                                   "'", "x'y", "123", "\u212a"])
 def test_fast_token_check_matches_tokenize(text: str) -> None:
-    assert _has_tokens(text) == bool(tokenize(text))
+    assert has_tokens(text) == bool(tokenize(text))

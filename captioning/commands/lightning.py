@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from lightning.pytorch.cli import LightningCLI
 
-from captioning.checkpoint import check_checkpoint_file, read_checkpoint, upgrade_hparams
+from captioning.checkpoint import check_checkpoint_file, upgrade_hparams
 from captioning.commands.errors import ConfigError, user_error_types
 from captioning.data.datamodule import CaptionDataModule
 from captioning.lit_module import CaptioningModule
@@ -89,19 +89,16 @@ class CaptioningCLI(LightningCLI):
     def parse_arguments(self, parser: Any, args: Any) -> None:
         self._raw_args = args
         super().parse_arguments(parser, args)
-        sub = self.config.get("subcommand")
-        if sub:  # before the checkpoint's hyperparameters are read
-            check_checkpoint_file(self.config[sub].get("ckpt_path"))
 
     def _parse_ckpt_path(self) -> None:
-        """The checkpoint's model hyperparameters (in today's layout) replace the config's,
-        except the `USER_WINS` settings the user gave."""
+        """Check the checkpoint (one read: missing, unsafe or corrupt files end in one line);
+        its model hyperparameters (in today's layout) replace the config's, except the
+        `USER_WINS` settings the user gave."""
         sub = self.config.get("subcommand")
-        path = self.config[sub].get("ckpt_path") if sub else None
-        if not path or not Path(path).is_file():
+        data = check_checkpoint_file(self.config[sub].get("ckpt_path")) if sub else None
+        if data is None:
             return
-        hparams = upgrade_hparams(read_checkpoint(path, "cpu", mmap=True)
-                                  .get("hyper_parameters") or {})
+        hparams = upgrade_hparams(data.get("hyper_parameters") or {})
         hparams.pop("_instantiator", None)
         if not hparams:
             return

@@ -232,9 +232,8 @@ class CaptionDataModule(L.LightningDataModule):
     @property
     def grounding(self) -> ObjectBoxes | None:
         """The source's object boxes (shapes' boxes.json, or a source's `boxes_path`), else
-        None. Loaded once, after the records (which generates the shapes dataset if needed)."""
+        None; loaded once."""
         if not self._grounding_loaded:
-            self._load_records()
             self._grounding = self.source.grounding()
             self._grounding_loaded = True
         return self._grounding

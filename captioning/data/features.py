@@ -190,17 +190,15 @@ def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any
     """
     from lightning.pytorch.utilities.seed import isolate_rng
 
-    if device is None and strategy is not None:
+    if strategy is not None and device is None:
         device = strategy.root_device
+    first = strategy is None or strategy.is_global_zero
     with isolate_rng():
-        if strategy is None:
-            datamodule.use_encoder_cache(encoder, key, device=device)
-            return
-        if strategy.is_global_zero:
-            datamodule.use_encoder_cache(encoder, key, device=device)
-        strategy.barrier("feature-cache")
-        if not strategy.is_global_zero:
-            datamodule.use_encoder_cache(encoder, key, device=device)
+        if not first:
+            strategy.barrier("feature-cache")  # wait for rank zero's build, then open it
+        datamodule.use_encoder_cache(encoder, key, device=device)
+        if first and strategy is not None:
+            strategy.barrier("feature-cache")
 
 
 def _progress(total: int, enabled: bool, desc: str) -> Any:
