@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Pretrained backbone weights live inside the project (torchvision reads $TORCH_HOME/hub/checkpoints).
 export TORCH_HOME ?= $(CURDIR)/.cache/torch
 
-.PHONY: install test test-all lint demo demo-hard benchmark clean
+.PHONY: install test test-all lint demo demo-hard benchmark check-installed clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ demo-hard: install
 
 benchmark: install
 	$(BIN)/python scripts/benchmark.py
+
+# The wheel in a fresh venv, used from outside the checkout (demo, export, caption, predict).
+check-installed: install
+	bash scripts/check_installed.sh
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -8,6 +8,10 @@ refused before any of it runs. The vocabulary and the model config stored in the
 rebuild the model; the backbone is built without pretrained weights (no download), since
 every weight comes from the checkpoint's state dict.
 
+`load_checkpoint` also takes an exported model folder (`captioning export`,
+`Captioner.save_pretrained`: safetensors weights and JSON, read with no pickle at all; see
+`captioning.models.pretrained`); `is_pretrained_dir` tells one from a checkpoint file.
+
 Files written before the decoding settings moved into `decode:` and the REINFORCE baselines
 into the objective are read through `upgrade`, which maps their keys to today's.
 """
@@ -28,6 +32,8 @@ import numpy as np
 import torch
 
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
+from captioning.models.pretrained import CONFIG_FILE, WEIGHTS_FILE, PretrainedError
+from captioning.models.pretrained import is_pretrained_dir as is_pretrained_dir  # re-exported
 from captioning.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -214,12 +220,15 @@ def _check_sizes(path: Path, vocab: Vocabulary, config: CaptionerConfig,
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> LoadedModel:
-    """Rebuild the captioner of a Lightning or inference checkpoint (eval mode).
+    """Rebuild the captioner of a Lightning or inference checkpoint, or of an exported model
+    folder (eval mode).
 
     Raises `CheckpointError` (a `ValueError`) naming the file when it is missing, unreadable,
     would run code when unpickled, or lacks / mismatches its vocabulary, config or weights.
     """
     path = Path(path)
+    if path.is_dir():
+        return _load_folder(path, map_location)
     data = read_checkpoint(path, map_location)
     vocab = _vocab(path, data)
     config = _config(path, data)
@@ -234,6 +243,23 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
     captioner.eval()
     log.debug("loaded %s (%s, vocabulary %d)", path, config.attention, len(vocab))
     return LoadedModel(captioner, vocab, config, _decode_settings(data), path)
+
+
+def _load_folder(path: Path, map_location: Any) -> LoadedModel:
+    """`load_checkpoint` of an exported model folder (safetensors and JSON, no pickle)."""
+    if not any((path / name).exists() for name in (CONFIG_FILE, WEIGHTS_FILE)):
+        raise CheckpointError(f"{path}: is not a file, nor an exported model folder (it has no "
+                              f"{CONFIG_FILE} or {WEIGHTS_FILE})")
+    try:
+        captioner = Captioner.from_pretrained(path)
+    except PretrainedError as e:
+        raise CheckpointError(str(e)) from None
+    if isinstance(map_location, str | torch.device):
+        captioner.to(map_location)
+    assert captioner.vocab is not None  # from_pretrained sets it
+    log.debug("loaded %s (%s, vocabulary %d)", path, captioner.config.attention,
+              len(captioner.vocab))
+    return LoadedModel(captioner, captioner.vocab, captioner.config, captioner.decode, path)
 
 
 def save_inference_checkpoint(path: str | os.PathLike[str], captioner: Captioner,

@@ -5,6 +5,10 @@
 * `captioning shapes --root DIR`  write the synthetic shapes dataset
 * `captioning caption --checkpoint CKPT IMAGE ...`  caption images with a checkpoint
 * `captioning cache-features --config ...`  build the frozen-encoder feature cache ahead of time
+* `captioning predict --checkpoint CKPT|DIR IMAGE|DIR|GLOB|LIST ...`  caption many images
+  through Lightning (one GPU or many), writing COCO results JSON
+* `captioning export --checkpoint CKPT --out DIR`  a shareable model folder (safetensors, JSON)
+* `captioning configs`  list the configs shipped inside the package
 
 Each command lives in `captioning.commands`; heavy imports (torch, lightning) happen inside
 them, so `--help` and `caption` start fast. User errors and interruptions end in one line
@@ -16,14 +20,51 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
 
 from captioning.commands.errors import exit_status
 
 #: Commands other than LightningCLI's, by the module under `captioning.commands` that runs them.
 COMMANDS = {"caption": "caption", "demo": "demo", "shapes": "shapes",
-            "cache-features": "cache_features"}
-NO_WANDB = frozenset({"caption", "shapes"})
+            "cache-features": "cache_features", "predict": "predict", "export": "export",
+            "configs": "configs"}
+NO_WANDB = frozenset({"caption", "shapes", "export", "configs"})
+#: Library messages about the project's own wiring, not the user's run: Lightning's
+#: advertisements and its note that the module's own callbacks (the Gumbel τ schedule) replace
+#: those of an earlier fit in the same process, the frozen encoder being in eval mode (on
+#: purpose), and an internal deprecation between Lightning and torch.
+QUIET = ("💡 Tip:", "`LightningModule.configure_callbacks` will override",
+         "module(s) in eval mode at the start of training",
+         "isinstance(treespec, LeafSpec)` is deprecated")
+
+
+class _Quiet(logging.Filter):
+    """Drops `QUIET` messages; on the root handler, also Lightning's records, which Lightning's
+    own console handler already prints (each line once)."""
+
+    def __init__(self, *, lightning: bool) -> None:
+        super().__init__()
+        self.lightning = lightning
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.lightning and record.name.partition(".")[0] == "lightning":
+            return False
+        message = str(record.msg)
+        return not any(q in message for q in QUIET)
+
+
+def configure_logging() -> None:
+    """INFO to stderr, each line once, without the `QUIET` messages."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _Quiet) for f in handler.filters):
+            handler.addFilter(_Quiet(lightning=True))
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _Quiet) for f in rank_zero.filters):
+        rank_zero.addFilter(_Quiet(lightning=False))  # before it reaches Lightning's handler
+    for q in QUIET[2:]:
+        warnings.filterwarnings("ignore", message=f".*{q.replace('(', '.').replace(')', '.')}")
 
 
 def _finish_wandb(failed: bool) -> None:
@@ -34,8 +75,26 @@ def _finish_wandb(failed: bool) -> None:
         wandb.finish(exit_code=1 if failed else 0)
 
 
+USAGE = """usage: captioning COMMAND [ARGS]   (captioning COMMAND --help for each command's options)
+
+Training and evaluation (LightningCLI):
+  fit, validate, test   --config NAME|FILE ... [--data.source.root DIR] [--ckpt_path CKPT]
+Commands:
+  demo            generate the shapes data, train, test and print the results
+  caption         caption images with a checkpoint or an exported model folder
+  predict         caption many images through Lightning (one GPU or many): COCO results JSON
+  export          a shareable model folder (safetensors, config.json, vocab.json, model card)
+  cache-features  build the frozen encoder's feature cache ahead of time
+  shapes          write the synthetic shapes dataset
+  configs         list the configs shipped with the package (give --config one by name)
+"""
+
+
 def _dispatch(argv: list[str], from_shell: bool) -> int:
     command = argv[0] if argv else ""
+    if command in ("", "-h", "--help"):
+        (sys.stdout if command else sys.stderr).write(USAGE)
+        return 0 if command else 2
     if command in COMMANDS:
         module = importlib.import_module(f"captioning.commands.{COMMANDS[command]}")
         return int(module.main(argv[1:]))
@@ -46,7 +105,7 @@ def _dispatch(argv: list[str], from_shell: bool) -> int:
 
 
 def _run(argv: list[str], from_shell: bool) -> int:
-    if argv and argv[0] in NO_WANDB:
+    if not argv or argv[0] in NO_WANDB or argv[0].startswith("-"):
         return _dispatch(argv, from_shell)
     try:
         status = _dispatch(argv, from_shell)
@@ -61,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run a `captioning` command; returns its exit status."""
     from_shell = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         return _run(argv, from_shell)
     except BaseException as e:

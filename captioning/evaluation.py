@@ -6,7 +6,6 @@ attention maps; the LightningModule, the overlay callback and the `caption` comm
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from captioning.atomic import write_json_atomic
 from captioning.models.decoding import Generation
 from captioning.vocab import Vocabulary
 
@@ -33,10 +33,11 @@ class EvalResults:
     words: dict[Any, list[str]] = field(default_factory=dict)
     alphas: dict[Any, Tensor] = field(default_factory=dict)  # (T, L) on the CPU
     scores: dict[Any, float] = field(default_factory=dict)
+    cider: dict[Any, float] = field(default_factory=dict)  # per image, set by compute_metrics
     metrics: dict[str, float] = field(default_factory=dict)
 
     def merge(self, other: EvalResults) -> None:
-        for name in ("hypotheses", "references", "words", "alphas", "scores"):
+        for name in ("hypotheses", "references", "words", "alphas", "scores", "cider"):
             getattr(self, name).update(getattr(other, name))
 
 
@@ -84,11 +85,12 @@ def compute_metrics(results: EvalResults, *, grid: tuple[int, int],
                     grounding: ObjectBoxes | None = None,
                     image_size: int | None = None) -> dict[str, float]:
     """coco-caption scores, plus objects correct and pointing accuracy when the data source
-    has object boxes (`grounding`)."""
+    has object boxes (`grounding`). Also fills `results.cider` (each image's CIDEr-D)."""
     from captioning.metrics import coco_scores, objects_correct
     from captioning.pointing import pointing_accuracy
 
-    metrics = coco_scores(results.references, results.hypotheses)
+    metrics = coco_scores(results.references, results.hypotheses,
+                          per_image_cider=results.cider)
     if grounding is None:
         return metrics
     ids = [i for i in results.hypotheses if i in grounding]
@@ -108,12 +110,13 @@ def compute_metrics(results: EvalResults, *, grid: tuple[int, int],
 
 
 def write_results(results: EvalResults, split: str, folder: str | Path) -> Path:
-    """COCO results file [{"image_id", "caption"}] and a metrics JSON; returns the folder."""
+    """COCO results file [{"image_id", "caption"}] and a metrics JSON, each written atomically;
+    returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     coco = [{"image_id": i, "caption": c} for i, c in results.hypotheses.items()]
-    (folder / f"{split}_captions.json").write_text(json.dumps(coco, indent=1))
-    (folder / f"{split}_metrics.json").write_text(json.dumps(results.metrics, indent=2))
+    write_json_atomic(folder / f"{split}_captions.json", coco)
+    write_json_atomic(folder / f"{split}_metrics.json", results.metrics, indent=2)
     log.info("wrote %s and %s", folder / f"{split}_captions.json",
              folder / f"{split}_metrics.json")
     return folder

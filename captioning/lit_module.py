@@ -1,12 +1,10 @@
 """CaptioningModule: the thin LightningModule around a pure-torch Captioner.
 
-Steps, epoch ends and optimisers. The loss comes from a training objective
-(`captioning.objectives`), decoding from `Captioner.generate` with the model's `decode`
-settings, metrics and result files from `captioning.evaluation`, and everything a checkpoint
-holds beyond Lightning's own keys from `captioning.checkpoint`. It holds no data: the
-vocabulary and the object boxes come from the trainer's data module, and the vocabulary is
-stored in every checkpoint so that a checkpoint alone can caption.
-"""
+Steps (predict too), epoch ends and optimisers. The loss comes from a training objective
+(`captioning.objectives`), decoding from `Captioner.generate` with the model's `decode` settings,
+metrics and result files from `captioning.evaluation`, and everything a checkpoint holds beyond
+Lightning's own keys from `captioning.checkpoint`. It holds no data: the vocabulary and the
+object boxes come from the data module; every checkpoint stores the vocabulary."""
 
 from __future__ import annotations
 
@@ -20,6 +18,7 @@ import torch
 from torch import Tensor
 
 from captioning import checkpoint as ckpt
+from captioning.callbacks.gumbel import GumbelTemperature
 from captioning.data.features import attach_feature_cache
 from captioning.evaluation import EvalResults, compute_metrics, gather, to_results, write_results
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
@@ -32,8 +31,8 @@ from captioning.vocab import Vocabulary
 class CaptioningModule(L.LightningModule):
     """Trains a Show, Attend and Tell captioner with soft or hard attention.
 
-    `advantage` names the hard-attention REINFORCE estimator (`captioning.objectives.ESTIMATORS`:
-    "sequence", "token", "expected", or one registered with `@register`)."""
+    `advantage` names the hard-attention REINFORCE estimator (`captioning.objectives.ESTIMATORS`),
+    `reward` its reward: `sum` over the caption's words (the paper) or `mean` (capgen.py)."""
 
     def __init__(
         self,
@@ -51,15 +50,14 @@ class CaptioningModule(L.LightningModule):
         entropy_weight: float = 0.002,
         baseline_momentum: float = 0.9,
         advantage: str = "sequence",
+        reward: Literal["sum", "mean"] = "sum",
         compute_metrics: bool = True,
         results_dir: str | None = None,
         compile: bool = False,
     ) -> None:
         super().__init__()
-        if isinstance(net, dict):  # from a checkpoint's plain-data hyperparameters
-            net = CaptionerConfig.from_dict(net)
-        if isinstance(decode, dict):
-            decode = DecodeConfig.from_dict(decode)
+        net = CaptionerConfig.from_dict(net) if isinstance(net, dict) else net  # ckpt hparams
+        decode = DecodeConfig.from_dict(decode) if isinstance(decode, dict) else decode
         if vocab_size:
             net = replace(net, vocab_size=vocab_size)
         self.save_hyperparameters(ignore=["net", "decode"])
@@ -68,9 +66,10 @@ class CaptioningModule(L.LightningModule):
         self.decode = decode
         self.captioner = Captioner(net)
         self.objective = build_objective(
-            attention=net.attention, advantage=advantage, vocab_size=net.vocab_size,
-            doubly_stochastic=doubly_stochastic, reward_scale=reward_scale,
-            entropy_weight=entropy_weight, baseline_momentum=baseline_momentum)
+            attention=net.attention, hard_estimator=net.hard_estimator, advantage=advantage,
+            reward=reward, vocab_size=net.vocab_size, doubly_stochastic=doubly_stochastic,
+            reward_scale=reward_scale, entropy_weight=entropy_weight,
+            baseline_momentum=baseline_momentum)
         self.vocab: Vocabulary | None = None
         self.val_results = EvalResults()
         self.test_results = EvalResults()
@@ -105,10 +104,8 @@ class CaptioningModule(L.LightningModule):
 
     def compile_decoder(self) -> None:
         """`torch.compile` the decoder's per-step cell (attention + gate + LSTM), in place.
-
         Dynamic shapes: the active batch shrinks step by step, which must not recompile.
-        Off by default (`compile: false`): see docs/benchmarks.md for when it pays.
-        """
+        Off by default (`compile: false`): see docs/benchmarks.md for when it pays."""
         dec = self.captioner.decoder
         dec._advance = torch.compile(dec._advance, dynamic=True)  # type: ignore[method-assign]
         self._compiled = True
@@ -127,9 +124,8 @@ class CaptioningModule(L.LightningModule):
         if ckpt.CHECKPOINT_VOCAB_KEY in checkpoint:
             self.vocab = Vocabulary.from_dict(checkpoint[ckpt.CHECKPOINT_VOCAB_KEY])
         self._refresh_feature_cache(checkpoint)
-        # Resuming a fit: continue the random streams (dropout, hard-attention sampling, data
-        # loader seeds) where the checkpoint left them, so that the resumed run matches an
-        # uninterrupted one. Restored here, before the fit loop creates its first iterator.
+        # Resuming a fit: continue the random streams (dropout, hard-attention sampling, loader
+        # seeds) where the checkpoint left them, before the fit loop makes its first iterator.
         trainer = getattr(self, "_trainer", None)
         rng = checkpoint.get(ckpt.CHECKPOINT_RNG_KEY)
         if rng is not None and trainer is not None and trainer.state.fn == "fit":
@@ -158,6 +154,9 @@ class CaptioningModule(L.LightningModule):
                 logger.log_metrics(metrics, step=self.global_step)
 
     # -- training ----------------------------------------------------------------------------
+    def configure_callbacks(self) -> list[L.Callback]:  # τ of Gumbel-softmax hard attention
+        return [GumbelTemperature()] if self.net_config.hard_estimator == "gumbel" else []
+
     def losses(self, batch: Any, features: Tensor | None = None) -> dict[str, Tensor]:
         """The objective's named loss parts for a batch (`loss` is optimised)."""
         if features is None:
@@ -177,16 +176,14 @@ class CaptioningModule(L.LightningModule):
             raise FloatingPointError(self._non_finite(f"training loss {loss.item()}", batch,
                                                       batch_idx))
         bs = batch.captions.size(0)
-        self.log_dict({f"train/{k}": v.detach() for k, v in parts.items()}, batch_size=bs,
-                      prog_bar=False)
+        self.log_dict({f"train/{k}": v.detach() for k, v in parts.items()}, batch_size=bs)
         self.log("train_loss", loss.detach(), batch_size=bs, prog_bar=True, logger=False)
         return loss
 
     def _non_finite(self, what: str, batch: Any, batch_idx: int) -> str:
         """The message for a non-finite loss: the step, and the images whose inputs are bad."""
-        msg = (f"non-finite {what} at global step {self.global_step} (epoch "
-               f"{self.current_epoch}, batch {batch_idx}); stopping before the weights are "
-               "updated")
+        msg = (f"non-finite {what} at global step {self.global_step} (epoch {self.current_epoch}, "
+               f"batch {batch_idx}); stopping before the weights are updated")
         images = getattr(batch, "images", None)
         if isinstance(images, Tensor) and images.is_floating_point():
             bad = (~torch.isfinite(images.flatten(1))).any(1).nonzero().flatten().tolist()
@@ -212,8 +209,7 @@ class CaptioningModule(L.LightningModule):
         hp = self.hparams
         enc = [p for p in self.captioner.encoder.parameters() if p.requires_grad]
         groups = [{"params": list(self.captioner.decoder.parameters()), "lr": hp.decoder_lr}]
-        if enc:
-            groups.append({"params": enc, "lr": hp.encoder_lr})
+        groups += [{"params": enc, "lr": hp.encoder_lr}] if enc else []
         opt = torch.optim.Adam(groups, weight_decay=hp.weight_decay)
         if hp.lr_schedule == "constant" and hp.warmup_steps <= 0:
             return opt
@@ -252,6 +248,14 @@ class CaptioningModule(L.LightningModule):
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._eval_step(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        """Captions of a `captioning.data.predict` batch (for `callbacks.CaptionWriter`)."""
+        from captioning.evaluation import caption_words
+        gen = self.generate(batch.images)
+        words, texts = caption_words(gen, self.vocab)
+        return {"indices": batch.indices, "paths": batch.paths, "words": words,
+                "captions": texts, "scores": gen.scores.tolist(), "generation": gen}
 
     def on_validation_epoch_start(self) -> None:
         self._pending = EvalResults()

@@ -270,6 +270,7 @@ def coco_scores(
     *,
     spice: bool = False,
     meteor_timeout: float = METEOR_TIMEOUT_S,
+    per_image_cider: dict[Any, float] | None = None,
 ) -> dict[str, float]:
     """Corpus-level coco-caption scores of `hypotheses` (one caption per id) against
     `references` (raw reference captions per id); both dicts must have the same ids.
@@ -284,6 +285,8 @@ def coco_scores(
     at DEBUG. METEOR runs in a JVM that is always shut down before returning; it is killed if
     it does not answer within `meteor_timeout` seconds (then RuntimeError).
 
+    `per_image_cider`, when given, is filled with each image's CIDEr-D.
+
     Raises ValueError on mismatched ids or an id without references, RuntimeError when Java is
     missing (the PTBTokenizer and METEOR need it) or METEOR fails.
     """
@@ -297,13 +300,15 @@ def coco_scores(
             gts, res = _ptb_tokenize(refs), _ptb_tokenize(hyps)
             bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
             rouge, _ = Rouge().compute_score(gts, res)
-            cider, _ = Cider().compute_score(gts, res)
+            cider, per_image = Cider().compute_score(gts, res)
             meteor = _meteor_score(gts, res, timeout=meteor_timeout)
     except Exception:
         _log_captured("coco-caption", out.text, logging.WARNING)
         raise
     _log_captured("coco-caption", out.text)
 
+    if per_image_cider is not None:  # pycocoevalcap scores the ids in gts' order
+        per_image_cider.update((k, float(v)) for k, v in zip(gts, per_image))
     scores = {f"BLEU-{n + 1}": float(b) for n, b in enumerate(bleu)}
     scores.update({"METEOR": meteor, "ROUGE-L": float(rouge), "CIDEr": float(cider)})
     if spice:

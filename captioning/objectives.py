@@ -9,16 +9,24 @@ the objective, so they are saved in checkpoints and follow the module across dev
 * `Reinforce` and its variants: hard attention (§4.1, Eq. 12): the likelihood above plus
   λ_r times the REINFORCE surrogate minus λ_e times the attention entropy. The variants differ
   only in the reward and baseline (`advantage` in the model config):
-  `sequence` (the paper), `token` and `expected`.
+  `sequence` (the paper), `token` and `expected`. The reward is log p(y | s̃, a) summed over the
+  caption's words (`reward: sum`, the paper's Eq. 12) or their mean (`reward: mean`, the
+  per-word mean of the authors' capgen.py).
+* `GumbelStraightThrough`: hard attention trained with the straight-through Gumbel-softmax
+  (`net.hard_estimator: gumbel`): the likelihood minus λ_e times the entropy; no REINFORCE.
 
-A new estimator is one new class registered under a config value with `@register`.
+Baselines move only in training mode, and under DDP from the statistics of every rank's batch
+(summed with `all_reduce_sum`), so that all ranks keep the same baselines.
+
+A new REINFORCE estimator is one new class registered under a config value with `@register`;
+another hard-attention estimator is one class in `HARD_ESTIMATORS`.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +42,8 @@ from captioning.losses import (
 )
 from captioning.models.captioner import Captioner
 from captioning.models.decoder import DecoderOutput
+
+RewardForm = Literal["sum", "mean"]
 
 
 class Batch(Protocol):
@@ -96,21 +106,39 @@ class Reinforce(MaximumLikelihood):
 
     The reward is R = log p(y | s̃, a) of the whole caption at every step, against the moving
     average b of R (the paper's `sequence` estimator). Subclasses change `reward_and_baseline`.
-    The baseline moves only in training mode.
+    `reward`: `sum` over the caption's words (the paper) or their `mean` (capgen.py, which
+    divides by the minibatch's padded length; here each caption's own word count). The baseline
+    moves only in training mode.
     """
 
     def __init__(self, *, doubly_stochastic: float = 1.0, reward_scale: float = 0.1,
-                 entropy_weight: float = 0.002, baseline_momentum: float = 0.9) -> None:
+                 entropy_weight: float = 0.002, baseline_momentum: float = 0.9,
+                 reward: RewardForm = "sum") -> None:
         super().__init__(doubly_stochastic=doubly_stochastic)
+        if reward not in ("sum", "mean"):
+            raise ValueError(f"reward must be 'sum' or 'mean', got {reward!r}")
         self.reward_scale = reward_scale
         self.entropy_weight = entropy_weight
+        self.reward_form: RewardForm = reward
         self.baseline = MovingAverageBaseline(momentum=baseline_momentum)
+
+    def per_caption(self, x: Tensor, mask: Tensor) -> Tensor:
+        """Sums over a caption's words as the reward form asks: unchanged for `sum`, divided by
+        the caption's word count for `mean`. `x` is (B,) or (B, T)."""
+        if self.reward_form == "sum":
+            return x
+        n = mask.sum(dim=1).clamp_min(1).to(x.dtype)  # (B,)
+        return x / (n if x.dim() == 1 else n.unsqueeze(1))
+
+    def caption_reward(self, word_ll: Tensor, mask: Tensor) -> Tensor:
+        """R per caption (B,): log p(y | s̃, a), summed or per word."""
+        return self.per_caption(word_ll.sum(dim=1), mask)
 
     def reward_and_baseline(self, captioner: Captioner, features: Tensor, batch: Batch,
                             word_ll: Tensor, mask: Tensor,
                             sampled: Tensor | None) -> tuple[Tensor, Tensor]:
         """(reward, baseline): per caption (B,) or per step (B, T); broadcastable."""
-        return word_ll.sum(dim=1), self.baseline.value
+        return self.caption_reward(word_ll, mask), self.baseline.value
 
     def forward(self, captioner: Captioner, features: Tensor,
                 batch: Batch) -> dict[str, Tensor]:
@@ -125,15 +153,25 @@ class Reinforce(MaximumLikelihood):
         entropy = entropy_bonus(out.attn_entropy, mask)
         parts["loss"] = parts["loss"] + self.reward_scale * rl - self.entropy_weight * entropy
         parts.update(reinforce=rl, attn_entropy=entropy / mask.sum(1).float().mean())
+        caption_reward = self.caption_reward(word_ll, mask)  # (B,) R of each caption
         if sampled is not None and bool(sampled.any()):
             # the whole caption's advantage (step 0 of a reward-to-go)
             parts["advantage"] = (reward - base).reshape(len(reward), -1)[sampled, 0].mean()
-            loglik = word_ll.sum(dim=1)[sampled]  # log p(y | s̃, a) of the sampled captions
-            parts["reward"] = loglik.mean()
-            if self.training and bool(torch.isfinite(parts["reward"])):  # NaN must not poison b
-                self.baseline.update(loglik)
+            parts["reward"] = caption_reward[sampled].mean()
+        if self.training:  # on every rank, every step: the update is a collective under DDP
+            self.update_baseline(caption_reward, sampled)
         parts["baseline"] = self.baseline.value.clone()
         return parts
+
+    @torch.no_grad()
+    def update_baseline(self, reward: Tensor, rows: Tensor | None) -> None:
+        """b_k = m·b_{k−1} + (1 − m)·mean R over the sampled captions (`rows`, all if None) of
+        every DDP rank; non-finite rewards are left out (a NaN must not poison b)."""
+        r = reward.detach().float()
+        keep = torch.isfinite(r) if rows is None else rows & torch.isfinite(r)
+        total, n = all_reduce_sum(torch.stack([r[keep].sum(), keep.sum().float()]))  # Σ R, n
+        if n > 0:
+            self.baseline.update(total / n)
 
 
 register("sequence")(Reinforce)
@@ -146,9 +184,10 @@ class TokenReinforce(Reinforce):
 
     def __init__(self, *, vocab_size: int, doubly_stochastic: float = 1.0,
                  reward_scale: float = 0.1, entropy_weight: float = 0.002,
-                 baseline_momentum: float = 0.9) -> None:
+                 baseline_momentum: float = 0.9, reward: RewardForm = "sum") -> None:
         super().__init__(doubly_stochastic=doubly_stochastic, reward_scale=reward_scale,
-                         entropy_weight=entropy_weight, baseline_momentum=baseline_momentum)
+                         entropy_weight=entropy_weight, baseline_momentum=baseline_momentum,
+                         reward=reward)
         self.token_baseline = TokenBaseline(vocab_size=vocab_size, momentum=baseline_momentum)
 
     def reward_and_baseline(self, captioner: Captioner, features: Tensor, batch: Batch,
@@ -156,10 +195,10 @@ class TokenReinforce(Reinforce):
                             sampled: Tensor | None) -> tuple[Tensor, Tensor]:
         targets = batch.captions[:, 1 : mask.size(1) + 1]
         base = reward_to_go(self.token_baseline(targets), mask)
-        if self.training:
+        if self.training:  # on every rank, every step: the update is a collective under DDP
             used = mask if sampled is None else mask & sampled.unsqueeze(1)
-            self.token_baseline.update(word_ll, targets, used)
-        return reward_to_go(word_ll, mask), base
+            update_token_baseline(self.token_baseline, word_ll, targets, used)
+        return self.per_caption(reward_to_go(word_ll, mask), mask), self.per_caption(base, mask)
 
 
 @register("expected")
@@ -171,7 +210,61 @@ class ExpectedReinforce(Reinforce):
                             word_ll: Tensor, mask: Tensor,
                             sampled: Tensor | None) -> tuple[Tensor, Tensor]:
         ref = expected_word_log_likelihoods(captioner, features, batch, sampled, mask.size(1))
-        return reward_to_go(word_ll, mask), reward_to_go(ref, mask)
+        return (self.per_caption(reward_to_go(word_ll, mask), mask),
+                self.per_caption(reward_to_go(ref, mask), mask))
+
+
+class GumbelStraightThrough(MaximumLikelihood):
+    """Hard attention with the straight-through Gumbel-softmax (`net.hard_estimator: gumbel`):
+    −log p(y | s̃, a) + doubly stochastic penalty − λ_e · H[α]. The likelihood's gradient
+    reaches the scorer through the relaxed sample (the decoder's `tau`); there is no REINFORCE
+    term and no baseline. `entropy_weight: 0` drops the entropy term."""
+
+    def __init__(self, *, doubly_stochastic: float = 1.0, entropy_weight: float = 0.002) -> None:
+        super().__init__(doubly_stochastic=doubly_stochastic)
+        self.entropy_weight = entropy_weight
+
+    def forward(self, captioner: Captioner, features: Tensor,
+                batch: Batch) -> dict[str, Tensor]:
+        out = captioner.decoder(features, batch.captions, batch.lengths)
+        parts, _, mask = self.likelihood(out, batch)
+        if out.attn_entropy is None:
+            return parts  # the expected context (a soft pass, or an `expected` decode)
+        entropy = entropy_bonus(out.attn_entropy, mask)
+        parts["loss"] = parts["loss"] - self.entropy_weight * entropy
+        parts["attn_entropy"] = entropy / mask.sum(1).float().mean()
+        return parts
+
+
+#: Objectives of the hard-attention estimators other than REINFORCE, by `net.hard_estimator`.
+HARD_ESTIMATORS: dict[str, type[Objective]] = {"gumbel": GumbelStraightThrough}
+
+
+def all_reduce_sum(stats: Tensor) -> Tensor:
+    """`stats` summed over the DDP ranks (a copy; `stats` itself outside torch.distributed):
+    the batch statistics that move a baseline, so that every rank keeps the same baseline."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return stats
+    stats = stats.clone()
+    dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+    return stats
+
+
+@torch.no_grad()
+def update_token_baseline(baseline: TokenBaseline, word_rewards: Tensor, targets: Tensor,
+                          mask: Tensor) -> None:
+    """Fold each target word's mean reward under `mask`, over every DDP rank's batch, into
+    the per-word baseline (non-finite rewards are left out)."""
+    r = word_rewards.detach().float()
+    mask = mask & torch.isfinite(r)
+    stats = r.new_zeros(2, baseline.value.numel())  # (2, V): Σ reward and count per word
+    stats[0].index_add_(0, targets[mask], r[mask])
+    stats[1].index_add_(0, targets[mask], torch.ones_like(r[mask]))
+    sums, counts = all_reduce_sum(stats)
+    words = (counts > 0).nonzero()[:, 0]  # (K,) words seen on some rank
+    means = (sums[words] / counts[words]).unsqueeze(0)  # (1, K)
+    baseline.update(means, words.unsqueeze(0), torch.ones_like(means, dtype=torch.bool))
 
 
 @torch.no_grad()
@@ -192,11 +285,17 @@ def expected_word_log_likelihoods(captioner: Captioner, features: Tensor, batch:
 
 
 def build_objective(*, attention: str, advantage: str = "sequence",
-                    **settings: Any) -> Objective:
-    """The objective of a model: maximum likelihood for soft attention, else the REINFORCE
-    estimator named by `advantage`. `settings` go to the constructor that takes them."""
+                    hard_estimator: str = "reinforce", **settings: Any) -> Objective:
+    """The objective of a model: maximum likelihood for soft attention; for hard attention the
+    `hard_estimator` (`HARD_ESTIMATORS`), or with `reinforce` the REINFORCE estimator named by
+    `advantage`. `settings` go to the constructor that takes them."""
     if attention == "soft":
         cls: type[Objective] = MaximumLikelihood
+    elif hard_estimator in HARD_ESTIMATORS:
+        cls = HARD_ESTIMATORS[hard_estimator]
+    elif hard_estimator != "reinforce":
+        raise ValueError(f"hard_estimator must be one of "
+                         f"{sorted(['reinforce', *HARD_ESTIMATORS])}, got {hard_estimator!r}")
     elif advantage in ESTIMATORS:
         cls = ESTIMATORS[advantage]
     else:

@@ -136,7 +136,8 @@ def _peak_memory_mb(device: str) -> float:
 def _build(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
     """(CaptioningModule, CaptionDataModule) through `captioning fit`'s own parser, from the
     project's configs (paper_soft.yaml with --paper, else demo_soft.yaml at benchmark sizes)."""
-    from captioning.commands.lightning import CONFIG_DIR, lightning_cli
+    from captioning.commands.configs import CONFIG_DIR
+    from captioning.commands.lightning import lightning_cli
 
     karpathy = bool(spec.get("split_file"))
     args = ["--config", str(CONFIG_DIR / "data" / ("coco.yaml" if karpathy else

@@ -165,3 +165,41 @@ def test_cadence_skips_sanity_checks_and_resumes(monkeypatch: pytest.MonkeyPatch
 def test_bad_arguments(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         AttentionOverlayCallback(**kwargs)
+
+
+def test_test_run_logs_a_predictions_table(shapes_dm_kwargs: dict, tmp_path: Path,
+                                          tiny_fit: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After `test`: one row per test image with its overlay, caption, references and CIDEr-D;
+    the per-image CIDEr-D values average to the corpus CIDEr (pycocoevalcap's definition)."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for k, v in wandb_dirs(tmp_path).items():
+        Path(v).mkdir(parents=True, exist_ok=True)
+        monkeypatch.setenv(k, v)
+    dm = make_dm(shapes_dm_kwargs, tmp_path, feature_cache=True)
+    module = make_module(dm)
+    module.hparams.compute_metrics = True
+    cb = AttentionOverlayCallback(num_images=2, test_table_rows=5)
+    logger = WandbLogger(offline=True, save_dir=str(tmp_path), project="test")
+    try:
+        trainer = tiny_fit(dm, module, tmp_path, callbacks=[cb], logger=logger)
+        trainer.test(module, datamodule=dm)
+    finally:
+        wandb.finish()
+    results = module.test_results
+    n = len(dm.records("test"))
+    assert len(results.cider) == n
+    assert np.mean(list(results.cider.values())) == pytest.approx(results.metrics["CIDEr"])
+
+    media = next((tmp_path / "wandb").glob("offline-run-*")) / "files" / "media"
+    tables = [json.loads(p.read_text()) for p in (media / "table").rglob("*.json")]
+    table = next(t for t in tables if t["columns"][-1] == "CIDEr")
+    assert table["columns"] == ["overlay", "caption", "references", "CIDEr"]
+    ids = [r.image_id for r in dm.records("test")[:5]]
+    assert [row[1] for row in table["data"]] == [results.hypotheses[i] for i in ids]
+    assert [row[2] for row in table["data"]] == ["\n".join(results.references[i]) for i in ids]
+    assert [row[3] for row in table["data"]] == pytest.approx([results.cider[i] for i in ids])
+    staged = {Image.open(p).size for p in (tmp_path / "wandb-data").rglob("*")
+              if p.is_file() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"}
+    assert {((len(results.words[i]) + 1) * S, S + LABEL) for i in ids} <= staged

@@ -15,7 +15,7 @@ import yaml
 from conftest import shapes_cli_args
 
 from captioning.cli import main
-from captioning.commands.lightning import CONFIG_DIR
+from captioning.commands.configs import CONFIG_DIR
 
 TRAINERS = sorted((CONFIG_DIR / "trainer").glob("*.yaml"))
 DATA = sorted((CONFIG_DIR / "data").glob("*.yaml"))

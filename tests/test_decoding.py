@@ -309,7 +309,7 @@ def test_captioner_generate_plumbing() -> None:
     with pytest.raises(ValueError, match="length_penalty"):
         DecodeConfig(length_penalty=-1.0)
     with pytest.raises(ValueError, match="strategy"):
-        DecodeConfig(strategy="sample")  # type: ignore[arg-type]
+        DecodeConfig(strategy="topk")  # type: ignore[arg-type]
     for name in ("beam_size", "max_len"):
         with pytest.raises(ValueError, match=name):
             DecodeConfig(**{name: 0})

@@ -281,19 +281,27 @@ def attention_grads(dec: AttentionLSTMDecoder) -> list[Tensor | None]:
     return [p.grad for p in dec.attention.parameters()]
 
 
-@pytest.mark.parametrize("prob", [0.5, 1.0])
-def test_nll_alone_does_not_train_the_hard_scorer(prob: float) -> None:
+@pytest.mark.parametrize("grad", ["paper", "detached"])
+@pytest.mark.parametrize("prob", [0.0, 0.5, 1.0])
+def test_which_terms_train_the_hard_scorer(prob: float, grad: str) -> None:
+    """The likelihood trains the scorer through the captions that used the expected context
+    (semi-sampling) with the paper's gradient (the default), never through sampled ones; with
+    `semi_sampling_grad: detached` only the entropy and REINFORCE terms reach it."""
     torch.manual_seed(3)
-    dec = make_decoder(semi_sampling_prob=prob).train()
+    dec = make_decoder(semi_sampling_prob=prob, semi_sampling_grad=grad).train()
+    assert make_decoder().semi_sampling_grad == "paper"  # the default
     feats, caps, lengths = random_batch(8, seed=3)
     out = dec(feats, caps, lengths)
     if prob == 0.5:  # both kinds of caption are in the batch
         assert bool(out.sampled.any()) and bool((~out.sampled).any())
-    else:  # every caption used the expected context, with α detached
-        assert not bool(out.sampled.any())
+    else:  # every caption sampled (0.0) or used the expected context (1.0)
+        assert bool(out.sampled.all()) if prob == 0.0 else not bool(out.sampled.any())
     loglik, mask = log_likelihood(out, caps, lengths)
     (-loglik.mean()).backward(retain_graph=True)
-    assert all(g is None or not bool(g.any()) for g in attention_grads(dec))
+    if grad == "paper" and prob > 0.0:
+        assert all(g is not None and bool(g.any()) for g in attention_grads(dec))
+    else:
+        assert all(g is None or not bool(g.any()) for g in attention_grads(dec))
     assert dec.lstm.weight_ih.grad is not None and bool(dec.lstm.weight_ih.grad.any())
 
     # The entropy term alone does reach it ...
@@ -495,7 +503,7 @@ def test_expected_context_baseline_scores_the_sampled_captions_without_gradient(
     expected = (F.log_softmax(ref.logits, -1).gather(-1, caps[:, 1:T + 1, None])[..., 0]) * mask
     torch.testing.assert_close(ll[rows], expected[rows])
     assert bool((ll[rows][mask[rows]] < 0).all())
-    # The training loss runs with it and the scorer learns (REINFORCE + entropy only).
+    # The training loss runs with it and the scorer learns.
     parts = module.losses(batch, feats)
     parts["loss"].backward()
     assert all(p.grad is not None and bool(p.grad.any()) for p in dec.attention.parameters())

@@ -1,6 +1,12 @@
-"""Training callbacks: attention overlays (W&B) and a checkpoint on Ctrl-C / SIGTERM."""
+"""Callbacks: attention overlays (W&B), a checkpoint on Ctrl-C / SIGTERM, the writer of
+`captioning predict`'s captions (COCO-style results JSON, merged across DDP ranks), the W&B
+logger the configs use, and the temperature schedule of Gumbel-softmax hard attention."""
 
+from captioning.callbacks.gumbel import GumbelTemperature
 from captioning.callbacks.interrupt import CheckpointOnInterrupt, last_checkpoint_path
+from captioning.callbacks.logger import WandbLogger
 from captioning.callbacks.overlays import AttentionOverlayCallback
+from captioning.callbacks.predictions import CaptionWriter
 
-__all__ = ["AttentionOverlayCallback", "CheckpointOnInterrupt", "last_checkpoint_path"]
+__all__ = ["AttentionOverlayCallback", "CaptionWriter", "CheckpointOnInterrupt",
+           "GumbelTemperature", "WandbLogger", "last_checkpoint_path"]

@@ -40,7 +40,9 @@ class AttentionOverlayCallback(L.Callback):
 
     Logged to every `WandbLogger` of the trainer: `{split}/attention` (one `wandb.Image` per
     strip, captioned with the generated caption) and, when `log_table`, `{split}/attention_table`
-    (columns image, caption, references, overlay). PNGs are written to
+    (columns image, caption, references, overlay). After a test, `test/predictions` holds the
+    first `test_table_rows` test images: overlay strip, caption, references and the image's
+    CIDEr-D (from the module's `test_results`). PNGs are written to
     `save_dir/epoch_XX/` when `save_dir` is set, and to `trainer.log_dir/overlays/epoch_XX/`
     when the trainer has no W&B logger.
     """
@@ -54,6 +56,7 @@ class AttentionOverlayCallback(L.Callback):
         max_words: int = 16,
         log_table: bool = True,
         save_dir: str | None = None,
+        test_table_rows: int = 100,
     ) -> None:
         super().__init__()
         if num_images < 1:
@@ -62,6 +65,8 @@ class AttentionOverlayCallback(L.Callback):
             raise ValueError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
         if max_words < 1:
             raise ValueError(f"max_words must be >= 1, got {max_words}")
+        if test_table_rows < 0:
+            raise ValueError(f"test_table_rows must be >= 0, got {test_table_rows}")
         if upsample not in UPSAMPLE_MODES:
             raise ValueError(f"upsample must be one of {UPSAMPLE_MODES}, got {upsample!r}")
         self.num_images = num_images
@@ -71,6 +76,7 @@ class AttentionOverlayCallback(L.Callback):
         self.max_words = max_words
         self.log_table = log_table
         self.save_dir = save_dir
+        self.test_table_rows = test_table_rows
         self.validation_epochs = 0  # completed validation epochs (sanity checks excluded)
         self.last_captions: dict[Any, str] = {}  # image id -> caption of the last overlay run
         self.last_words: dict[Any, list[str]] = {}  # image id -> its panels' words (last run)
@@ -101,6 +107,44 @@ class AttentionOverlayCallback(L.Callback):
         if not trainer.is_global_zero:
             return
         self.log_overlays(trainer, pl_module)
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The predictions table (after the module's test epoch end has scored the captions)."""
+        results = getattr(pl_module, "test_results", None)
+        loggers = _wandb_loggers(trainer)
+        if not (trainer.is_global_zero and loggers and self.test_table_rows and results
+                and results.hypotheses):
+            return
+        import wandb
+
+        dm = getattr(trainer, "datamodule", None)
+        records = [r for r in dm.records("test") if r.image_id in results.hypotheses]
+        records = records[: self.test_table_rows]
+        strips = self._result_strips(dm, pl_module, results, records)
+        rows = [[wandb.Image(strip), results.hypotheses[r.image_id],
+                 "\n".join(results.references.get(r.image_id, [])),
+                 results.cider.get(r.image_id)] for r, strip in zip(records, strips)]
+        table = wandb.Table(columns=["overlay", "caption", "references", "CIDEr"], data=rows)
+        for logger in loggers:
+            logger.log_metrics({"test/predictions": table}, step=trainer.global_step)
+
+    def _result_strips(self, dm: Any, pl_module: L.LightningModule, results: Any,
+                       records: Sequence[Any]) -> list[Any]:
+        """Each record's strip (uint8 HxWx3) from the α maps its test caption was decoded with."""
+        from captioning.data.images import load_image
+
+        transform = dm.image_transform(False)
+        grid = pl_module.captioner.grid  # type: ignore[union-attr]
+        out = []
+        for r in records:
+            words = results.words[r.image_id][: self.max_words]
+            alphas = results.alphas[r.image_id][: len(words)].float()
+            if alphas.shape[0] == 0:  # an empty caption: the image panel alone
+                alphas = torch.zeros(1, grid[0] * grid[1])
+            image = transform(load_image(r.path))[None]
+            out.append(render_strips(image, alphas[None], grid, [words],
+                                     upsample=self.upsample)[0].numpy())
+        return out
 
     # -- work ------------------------------------------------------------------------------
     @rank_zero_only

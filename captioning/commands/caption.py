@@ -1,9 +1,11 @@
 """`captioning caption --checkpoint CKPT IMAGE|DIR|GLOB ...`: caption images with a checkpoint.
 
 Prints one `path<TAB>caption` line per image (or one JSON object per line with --json) on
-stdout; problems go to stderr, one line each. Exit status: 0 all captioned, 1 some inputs
-failed, 2 nothing to caption or an unusable checkpoint / device. Torch is imported only after
-the arguments are parsed, and Lightning, W&B, NLTK and pycocoevalcap never are.
+stdout; with `--num-captions N` (the N best beams, or N samples with `--sample`) a line per
+caption, or one JSON object per image with a `captions` list. Problems go to stderr, one line
+each. Exit status: 0 all captioned, 1 some inputs failed, 2 nothing to caption or an unusable
+checkpoint / device. Torch is imported only after the arguments are parsed, and Lightning,
+W&B, NLTK and pycocoevalcap never are.
 """
 
 from __future__ import annotations
@@ -111,14 +113,21 @@ def overlay_names(paths: Sequence[Path]) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="captioning caption",
-        description="Caption images with a trained checkpoint (beam search).")
+        description="Caption images with a trained checkpoint (beam search, or sampling).")
     p.add_argument("inputs", nargs="*", metavar="IMAGE|DIR|GLOB",
                    help="image files, folders of images or glob patterns (quote them)")
-    p.add_argument("--checkpoint", required=True, help="a training or inference checkpoint")
+    p.add_argument("--checkpoint", required=True,
+                   help="a checkpoint file or an exported model folder (captioning export)")
     p.add_argument("--beam-size", type=int, default=None,
                    help="beam width (default: the checkpoint's decoding setting)")
     p.add_argument("--max-len", type=int, default=None,
                    help="most words per caption (default: the checkpoint's setting)")
+    p.add_argument("--sample", action="store_true",
+                   help="draw each word from softmax(logits / temperature) instead of a beam")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature, > 0 (default: the checkpoint's, 1.0)")
+    p.add_argument("--num-captions", type=int, default=1,
+                   help="captions per image: the N best beams (N <= beam size) or N samples")
     p.add_argument("--batch-size", type=int, default=32, help="images decoded together")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto uses the GPU when there is one")
@@ -131,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _checked_inputs(a: argparse.Namespace) -> Inputs | None:
     """The expanded inputs, or None after reporting why there is nothing to caption."""
-    for name in ("beam_size", "max_len", "batch_size"):
+    for name in ("beam_size", "max_len", "batch_size", "num_captions"):
         value = getattr(a, name)
         if value is not None and value < 1:
             error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -171,11 +180,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:
         error(str(e))
         return 2
+    try:
+        settings = decoding_settings(model.decode, a.beam_size, a.max_len, sample=a.sample,
+                                     temperature=a.temperature, num_captions=a.num_captions)
+    except ValueError as e:
+        error(str(e))
+        return 2
     model.captioner.to(device)
     for msg in inputs.problems:
         error(msg)
     start = time.perf_counter()
-    done, failed = _caption_all(a, model, inputs.paths, device)
+    done, failed = _caption_all(a, model, inputs.paths, device, settings)
     if done < 0:
         return 1
     failed += len(inputs.problems)
@@ -185,13 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _caption_all(a: argparse.Namespace, model: LoadedModel, paths: list[Path],
-                 device: torch.device) -> tuple[int, int]:
+                 device: torch.device, settings: DecodeConfig) -> tuple[int, int]:
     """Caption `paths` batch by batch, printing as it goes: (captioned, failed); captioned is
     -1 when stdout went away."""
     failed = done = 0
     names = overlay_names(paths) if a.overlay else []
     out_dir = Path(a.overlay) if a.overlay else None
-    settings = _decoding(model.decode, a.beam_size, a.max_len)
     for batch in _batches(paths, model.config.image_size, a.batch_size):
         for _path, reason in batch.failures:
             error(reason)
@@ -200,10 +214,11 @@ def _caption_all(a: argparse.Namespace, model: LoadedModel, paths: list[Path],
             continue
         records, gen = _caption_batch(model, batch, device, settings)
         if out_dir is not None:
-            failed += _write_overlays(model, batch, gen, records, device,
+            failed += _write_overlays(model, batch, gen.first_per_image(), records, device,
                                       [out_dir / names[i] for i in batch.indices])
-        lines = [json.dumps(rec, ensure_ascii=False) if a.json else
-                 f"{rec['path']}\t{rec['caption']}" for rec in records]
+        lines = [json.dumps(rec, ensure_ascii=False) for rec in records] if a.json else [
+            f"{rec['path']}\t{c['caption']}" for rec in records
+            for c in rec.get("captions", [rec])]
         try:
             sys.stdout.write("".join(ln + "\n" for ln in lines))
             sys.stdout.flush()
@@ -214,16 +229,30 @@ def _caption_all(a: argparse.Namespace, model: LoadedModel, paths: list[Path],
     return done, failed
 
 
-def _decoding(decode: DecodeConfig, beam_size: int | None,
-              max_len: int | None) -> DecodeConfig:
-    """The checkpoint's decoding settings, overridden by the options; always a beam search.
+def decoding_settings(decode: DecodeConfig, beam_size: int | None, max_len: int | None, *,
+                      sample: bool = False, temperature: float | None = None,
+                      num_captions: int = 1) -> DecodeConfig:
+    """The checkpoint's decoding settings, overridden by `--beam-size` / `--max-len` (None keeps
+    the checkpoint's); a beam search (`caption` and `predict` decode alike) keeping the
+    `num_captions` best, or with `sample` that many samples per image at `temperature`.
+    Raises ValueError, naming the option, for settings that do not go together.
 
     A checkpoint evaluated greedily defaults to beam 1, which is the same search."""
     from dataclasses import replace
 
-    default_beam = 1 if decode.strategy == "greedy" else decode.beam_size
-    return replace(decode, strategy="beam", beam_size=beam_size or default_beam,
-                   max_len=max_len or decode.max_len)
+    if temperature is not None and not (sample and temperature > 0):
+        raise ValueError(f"--temperature must be > 0, with --sample (got {temperature}"
+                         f"{'' if sample else ' without --sample'})")
+    max_len = max_len or decode.max_len
+    if sample:
+        return replace(decode, strategy="sample", max_len=max_len, num_captions=num_captions,
+                       temperature=temperature or decode.temperature)
+    beam = beam_size or (1 if decode.strategy == "greedy" else decode.beam_size)
+    if num_captions > beam:
+        raise ValueError(f"--num-captions {num_captions} is more than the beam size {beam}: "
+                         "raise --beam-size, or --sample")
+    return replace(decode, strategy="beam", beam_size=beam, max_len=max_len,
+                   num_captions=num_captions)
 
 
 @dataclass
@@ -269,10 +298,15 @@ def _caption_batch(model: LoadedModel, batch: _Batch, device: torch.device,
     with torch.inference_mode():
         gen = model.captioner.generate(batch.images.to(device), settings)
     _, texts = caption_words(gen, model.vocab)
-    scores, finished = gen.scores.tolist(), gen.finished.tolist()
-    return [{"path": str(path), "caption": text, "score": scores[i], "tokens": text.split(),
-             "finished": bool(finished[i])}
-            for i, (path, text) in enumerate(zip(batch.paths, texts))], gen
+    scores, finished, k = gen.scores.tolist(), gen.finished.tolist(), gen.per_image
+    records = [{"path": str(path), "caption": texts[k * i], "score": scores[k * i],
+                "tokens": texts[k * i].split(), "finished": bool(finished[k * i])}
+               for i, path in enumerate(batch.paths)]
+    if k > 1:  # rows i·k .. i·k + k - 1 are image i's, best first for beams
+        for i, rec in enumerate(records):
+            rec["captions"] = [{"caption": texts[r], "score": scores[r]}
+                               for r in range(k * i, k * i + k)]
+    return records, gen
 
 
 def _write_overlays(model: LoadedModel, batch: _Batch, gen: Generation,

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from captioning.commands.lightning import CONFIG_DIR, lightning_cli
+from captioning.commands.configs import CONFIG_DIR
+from captioning.commands.lightning import lightning_cli
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,19 @@ from typing import Any
 import yaml
 from lightning.pytorch.cli import LightningCLI
 
-from captioning.checkpoint import check_checkpoint_file, upgrade_hparams
+from captioning.checkpoint import CheckpointError, check_checkpoint_file, upgrade_hparams
+from captioning.commands.configs import resolve_config_args
 from captioning.commands.errors import ConfigError, user_error_types
 from captioning.data.datamodule import CaptionDataModule
 from captioning.lit_module import CaptioningModule
 from captioning.models.captioner import DecodeConfig
+from captioning.models.pretrained import (
+    VOCAB_FILE,
+    PretrainedError,
+    is_pretrained_dir,
+    read_model_folder,
+)
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 #: Model settings that only affect decoding and outputs: a checkpoint's stored values give way
 #: to the ones the user set in a config file or on the command line.
@@ -87,34 +93,66 @@ class CaptioningCLI(LightningCLI):
                 parser.set_defaults(weights_only=True)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
+        # `lightning_cli` always passes the arguments (config names resolved to files), so
+        # LightningCLI's warning about `args` given beside `sys.argv` would be about our wiring.
         self._raw_args = args
-        super().parse_arguments(parser, args)
+        self.config = parser.parse_args(args)
 
     def _parse_ckpt_path(self) -> None:
         """Check the checkpoint (one read: missing, unsafe or corrupt files end in one line);
         its model hyperparameters (in today's layout) replace the config's, except the
-        `USER_WINS` settings the user gave."""
+        `USER_WINS` settings the user gave. An exported model folder (`captioning export`)
+        gives its config, decoding settings and vocabulary the same way; its weights are
+        loaded after the model is built (`validate` and `test` only: it has no training state)."""
         sub = self.config.get("subcommand")
-        data = check_checkpoint_file(self.config[sub].get("ckpt_path")) if sub else None
+        ckpt_path = self.config[sub].get("ckpt_path") if sub else None
+        if ckpt_path and is_pretrained_dir(ckpt_path):
+            self._apply_hparams(sub, self._use_model_folder(sub, Path(ckpt_path)))
+            return
+        data = check_checkpoint_file(ckpt_path) if sub else None
         if data is None:
             return
         hparams = upgrade_hparams(data.get("hyper_parameters") or {})
         hparams.pop("_instantiator", None)
-        if not hparams:
-            return
+        if hparams:
+            self._apply_hparams(sub, hparams)
+
+    def _apply_hparams(self, sub: str, hparams: dict[str, Any]) -> None:
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
         user = {k: self.config[sub].get(k) for k in USER_WINS if given(raw, k)}
         self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
         for k, v in user.items():
             self.config[sub][k] = v
 
+    def _use_model_folder(self, sub: str, folder: Path) -> dict[str, Any]:
+        """Read an exported model folder for `--ckpt_path DIR`: its vocabulary becomes the data
+        module's (unless `--data.vocab_path` is given) and the run starts from no checkpoint."""
+        if sub == "fit":
+            raise ConfigError(f"--ckpt_path {folder}: an exported model folder has no training "
+                              "state to resume; use it with validate, test, caption or predict")
+        try:
+            self._model_folder = read_model_folder(folder)
+        except PretrainedError as e:
+            raise CheckpointError(str(e)) from None
+        raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
+        if not given(raw, "data.vocab_path"):
+            self.config[sub]["data"]["vocab_path"] = str(folder / VOCAB_FILE)
+        self.config[sub]["ckpt_path"] = None
+        return {"net": {**self._model_folder.model, "weights": None},
+                "decode": self._model_folder.decode}
+
     def instantiate_classes(self) -> None:
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         try:
             super().instantiate_classes()
+            folder = getattr(self, "_model_folder", None)
+            if folder is not None:
+                folder.load_into(self.model.captioner)
         except user_error_types():
             raise
+        except PretrainedError as e:
+            raise CheckpointError(str(e)) from None
         except (ValueError, MisconfigurationException, ModuleNotFoundError) as e:
             # a constructor refused a value, or an option needs a package not installed
             raise ConfigError(str(e)) from e
@@ -137,14 +175,16 @@ class CaptioningCLI(LightningCLI):
 
 
 def lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> CaptioningCLI:
-    """Build (and with `run`, run) the CLI on `args` (None: `sys.argv`). Parse errors raise
-    `ArgumentError`, reported in one line, instead of printing the usage and exiting."""
+    """Build (and with `run`, run) the CLI on `args` (None: `sys.argv`). A config flag may name
+    a shipped config (`--config paper_soft`). Parse errors raise `ArgumentError`, reported in
+    one line, instead of printing the usage and exiting."""
     no_exit = {"exit_on_error": False}
+    args = resolve_config_args(sys.argv[1:] if args is None else args)
     return CaptioningCLI(
         CaptioningModule,
         CaptionDataModule,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={**no_exit, **{c: dict(no_exit) for c in LIGHTNING_COMMANDS}},
-        args=list(args) if args is not None else None,
+        args=args,
         run=run,
     )

@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "boxes_to_crop_coords": "transforms", "build_image_transform": "transforms",
     "CocoCaptions": "sources", "DataSource": "sources", "KarpathySplits": "sources",
     "ObjectBoxes": "sources", "ShapesSource": "sources",
+    "JsonlCaptions": "tables", "read_captions_table": "tables",
     "CaptionBatch": "datasets", "CaptionCollate": "datasets", "collate_captions": "datasets",
     "BucketBatchSampler": "samplers", "EpochShuffleSampler": "samplers",
     "CaptionDataModule": "datamodule",

@@ -318,6 +318,8 @@ class CaptionDataModule(L.LightningDataModule):
         Each split's grids are computed once (`captioning.data.features.FeatureCache`) and
         memory-mapped; datasets already set up switch their inputs in place.
         """
+        if self._encoder is not None and encoder_config == self._encoder_config:
+            return  # already served from these caches (a later stage of the same run)
         if self.hflip:
             log.warning("feature cache: hflip is ignored, cached features are never flipped")
         self._encoder, self._encoder_config, self._cache_device = encoder, encoder_config, device
@@ -353,7 +355,7 @@ class CaptionDataModule(L.LightningDataModule):
             encoder_config=self._encoder_config, image_size=self.image_size,
             paths=[r.path for r in records], transform=self.image_transform(False),
             batch_size=self.eval_batch_size, num_workers=self.num_workers,
-            device=self._cache_device)
+            device=self._cache_device, progress=f"caching {split} features")
 
     def _train_tokens(self, records: list[ImageRecord]) -> TokenIndex:
         """Tokens of every caption of `records` (cached for the current training records)."""

@@ -122,9 +122,10 @@ class FeatureCache:
         batch_size: int = 64,
         num_workers: int = 0,
         device: str | torch.device | None = None,
-        progress: bool = True,
+        progress: bool | str = True,
     ) -> FeatureCache:
-        """Open the cache for these images and encoder, building it first if needed."""
+        """Open the cache for these images and encoder, building it first if needed.
+        `progress`: show a progress bar (a string labels it)."""
         paths = list(dict.fromkeys(Path(p).resolve() for p in paths))
         key = cache_key(encoder_config=encoder_config, image_size=image_size, paths=paths)
         found = cls.open(cache_dir, key)
@@ -159,11 +160,12 @@ class FeatureCache:
 
 
 def _encode_to_npy(file: str, encoder: nn.Module, loader: DataLoader, device: torch.device,
-                   total: int, progress: bool) -> None:
+                   total: int, progress: bool | str) -> None:
     """Write the (total, L, D) float16 grids of the `loader`'s images to the `.npy` `file`,
     batch by batch through a memory map."""
     array = None
-    bar = _progress(total, progress, desc="caching encoder features")
+    label = progress if isinstance(progress, str) else "caching encoder features"
+    bar = _progress(total, bool(progress), desc=label)
     row = 0
     for images in loader:
         feats = encoder(images.to(device, non_blocking=True)).to("cpu", torch.float16)

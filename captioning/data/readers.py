@@ -9,7 +9,8 @@ skipped. Bad input is reported as `Problem(file, entry, field, message)`; with
 `on_error="fail"` (the default) any problem raises `DataError` listing the first ten; with
 `on_error="skip"` bad captions and bad image entries are dropped and counted. Malformed JSON and a
 wrong top-level structure always raise. The work per caption is one `tokenize` call, so a
-COCO-size Karpathy file (123k images, 616k captions) reads in seconds.
+COCO-size Karpathy file (123k images, 616k captions) reads in seconds. Caption tables
+(captions.jsonl / .csv) are read by `captioning.data.tables`, with the same `Report`.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def check_policy(on_error: str) -> None:
         raise ValueError(f"on_error must be 'fail' or 'skip', got {on_error!r}")
 
 
-class _Report:
+class Report:
     """The problems found in one file, and how many image entries and captions were skipped."""
 
     def __init__(self, fname: str) -> None:
@@ -119,7 +120,7 @@ class _Report:
             if isinstance(item, dict):
                 yield i, item
                 continue
-            self.add(f"{name}[{i}]", "(entry)", f"expected an object, got {_type_name(item)}")
+            self.add(f"{name}[{i}]", "(entry)", f"expected an object, got {type_name(item)}")
             if captions:
                 self.skipped_captions += 1
             else:
@@ -132,7 +133,8 @@ class _Report:
                        skipped_captions=self.skipped_captions)
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
+    """The JSON-ish name of a value's type, for messages ("null", "int", "list", ...)."""
     return "null" if value is None else type(value).__name__
 
 
@@ -158,10 +160,10 @@ def _top_list(data: Any, file: Path, key: str) -> list:
     if not isinstance(data, dict):
         raise DataError([Problem(str(file), "(top level)", key,
                                  f"expected a JSON object with a '{key}' list, got "
-                                 f"{_type_name(data)}")])
+                                 f"{type_name(data)}")])
     value = data.get(key)
     if not isinstance(value, list):
-        what = "missing" if key not in data else f"expected a list, got {_type_name(value)}"
+        what = "missing" if key not in data else f"expected a list, got {type_name(value)}"
         raise DataError([Problem(str(file), "(top level)", key, what)])
     return value
 
@@ -176,7 +178,7 @@ def _id_problem(item: dict, key: str) -> str | None:
     if key not in item:
         return "missing image id"
     if not _valid_id(item[key]):
-        return f"expected an int or non-empty string, got {_type_name(item[key])}"
+        return f"expected an int or non-empty string, got {type_name(item[key])}"
     return None
 
 
@@ -188,10 +190,10 @@ def _name_problem(item: dict, key: str) -> str | None:
     return "missing" if key not in item else f"expected a non-empty string, got {value!r}"
 
 
-def _caption_problem(raw: Any) -> str | None:
+def caption_problem(raw: Any) -> str | None:
     """Why a raw caption is unusable, or None when it is fine."""
     if not isinstance(raw, str):
-        return f"expected a string, got {_type_name(raw)}"
+        return f"expected a string, got {type_name(raw)}"
     if not raw.strip():
         return "caption is empty or whitespace"
     if not has_tokens(raw):  # == not tokenize(raw), ~4x cheaper at COCO scale
@@ -211,16 +213,16 @@ def _karpathy_sentence(sent: Any, j: int) -> tuple[Any, str, str | None]:
     """(raw caption, field, problem) of the Karpathy sentence entry sentences[j]; the problem is
     None when the caption is usable."""
     if not isinstance(sent, dict):
-        return None, f"sentences[{j}]", f"expected an object, got {_type_name(sent)}"
+        return None, f"sentences[{j}]", f"expected an object, got {type_name(sent)}"
     raw = sent.get("raw")
     if raw is None and isinstance(sent.get("tokens"), list) and all(
             isinstance(t, str) for t in sent["tokens"]):
         raw = " ".join(sent["tokens"])  # no "raw": fall back to the tokens
-    why = "missing" if raw is None and "raw" not in sent else _caption_problem(raw)
+    why = "missing" if raw is None and "raw" not in sent else caption_problem(raw)
     return raw, f"sentences[{j}].raw", why
 
 
-def _karpathy_image(report: _Report, i: int, item: dict, seen: dict[Any, int], *, root: str,
+def _karpathy_image(report: Report, i: int, item: dict, seen: dict[Any, int], *, root: str,
                     merge_restval: bool) -> ImageRecord | None:
     """The record of the Karpathy image entry images[i], or None when it is skipped (its
     problems go to `report`). `seen` maps the image ids met so far to their index."""
@@ -241,7 +243,7 @@ def _karpathy_image(report: _Report, i: int, item: dict, seen: dict[Any, int], *
     report.add(entry, "filename", _name_problem(item, "filename"))
     filepath = item.get("filepath", "")
     if not isinstance(filepath, str):
-        report.add(entry, "filepath", f"expected a string, got {_type_name(filepath)}")
+        report.add(entry, "filepath", f"expected a string, got {type_name(filepath)}")
     split = item.get("split")
     if split not in _SPLIT_NAMES:
         report.add(entry, "split", "missing" if "split" not in item else
@@ -249,7 +251,7 @@ def _karpathy_image(report: _Report, i: int, item: dict, seen: dict[Any, int], *
     sentences = item.get("sentences")
     if not isinstance(sentences, list):
         report.add(entry, "sentences", "missing" if "sentences" not in item else
-                   f"expected a list, got {_type_name(sentences)}")
+                   f"expected a list, got {type_name(sentences)}")
     if len(report.problems) > n_before:
         report.skipped_images += 1
         return None
@@ -286,7 +288,7 @@ def read_karpathy(
     """
     check_policy(on_error)
     file = Path(split_file)
-    report = _Report(str(file))
+    report = Report(str(file))
     root = str(image_root)
     images = _top_list(_load_json(file, _drop_tokens), file, "images")
 
@@ -299,7 +301,7 @@ def read_karpathy(
     return report.finish(records, on_error)
 
 
-def _coco_image(report: _Report, i: int, item: dict, index_of: dict[Any, int],
+def _coco_image(report: Report, i: int, item: dict, index_of: dict[Any, int],
                 bad_ids: set[Any]) -> tuple[int, Any, str] | None:
     """(i, id, file_name) of the COCO image entry images[i], or None when it is rejected (its
     problems go to `report`). Records the id in `index_of`, or in `bad_ids` when rejected."""
@@ -332,12 +334,12 @@ def _coco_annotation(ann: dict, captions: dict[Any, list[str]],
     if "image_id" not in ann:
         return None, "image_id", "missing"
     if not _valid_id(image_id):
-        return None, "image_id", f"expected an int or string, got {_type_name(image_id)}"
+        return None, "image_id", f"expected an int or string, got {type_name(image_id)}"
     if image_id not in captions:
         return None, "image_id", ("refers to an image entry that was rejected"
                                   if image_id in bad_ids else "no image with this id in 'images'")
     raw = ann.get("caption")
-    return raw, "caption", "missing" if "caption" not in ann else _caption_problem(raw)
+    return raw, "caption", "missing" if "caption" not in ann else caption_problem(raw)
 
 
 def read_coco_captions(
@@ -355,7 +357,7 @@ def read_coco_captions(
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     file = Path(annotations_file)
-    report = _Report(str(file))
+    report = Report(str(file))
     root = str(image_dir)
     data = _load_json(file)
     images = _top_list(data, file, "images")

@@ -6,6 +6,8 @@ One class per source, each with only its own arguments:
 * `KarpathySplits`: a Karpathy split file (dataset_coco.json, dataset_flickr8k.json,
   dataset_flickr30k.json).
 * `CocoCaptions`: raw COCO caption files; missing val/test splits are carved out.
+* `JsonlCaptions` (in `captioning.data.tables`, beside its reader): your own images, a folder
+  and a captions.jsonl (or .csv) table.
 
 A source reads its records (`read`), prepares its files (`prepare`), says where feature caches
 go by default (`cache_root`) and which file a split comes from (`describe`), and gives the
@@ -303,7 +305,7 @@ class KarpathySplits(DataSource):
         return str(self.split_file)
 
 
-def _carve(records: list[ImageRecord], k: int) -> tuple[list[ImageRecord], list[ImageRecord]]:
+def carve(records: list[ImageRecord], k: int) -> tuple[list[ImageRecord], list[ImageRecord]]:
     """Deterministically split off k records: (rest, carved). Independent of file order."""
     ordered = sorted(records, key=lambda r: str(r.image_id))
     perm = np.random.default_rng(CARVE_SEED).permutation(len(ordered))
@@ -364,7 +366,7 @@ class CocoCaptions(DataSource):
         if k < 1:
             raise ValueError(f"cannot carve {missing} out of {len(pool)} {source} images")
         for split in missing:
-            pool, carved = _carve(pool, k)
+            pool, carved = carve(pool, k)
             by_split[split] = [ImageRecord(r.image_id, r.path, split, r.captions)
                                for r in carved]
             log.info("carved %d %s images out of %s", len(carved), split, source)

@@ -1,40 +1,79 @@
 """Attention over the annotation grid (Xu et al. 2015, §4).
 
-Soft and hard attention share one scorer that produces α_t (Eqs. 4-5). They differ only in the
-weights that form the context z_t = Σ_i w_ti a_i:
+A scorer gives e_ti = f_att(a_i, h_{t-1}) (Eq. 4); `select` turns the scores into α_t = softmax(e_t)
+(Eq. 5) and the weights that form the context z_t = Σ_i w_ti a_i (Eq. 6):
 
 * soft:   w_t = α_t                      (Eq. 13, the expected context)
 * hard:   w_t = one_hot(s_t), s_t ~ Multinoulli(α_t)   (Eqs. 8-9)
 * argmax: w_t = one_hot(argmax α_t)      (a deterministic hard decode)
+* gumbel: w_t = one_hot(argmax(log α_t + g)) in the forward pass, with the gradient of
+          softmax((log α_t + g) / τ) in the backward pass (straight-through Gumbel-softmax,
+          Jang et al. 2017; Maddison et al. 2017), g ~ Gumbel(0, 1)
+
+Scorers (`SCORERS`, the config's `net.score`): the paper's additive f_att (Bahdanau et al. 2015),
+Luong et al.'s (2015) dot and general (bilinear) scores, and the Transformer's scaled dot product.
+Each projects the annotations once per image (`project`, the decoder's `Memory.keys`); decoding
+never re-projects the grid.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-WeightRule = Literal["expected", "sample", "argmax"]
+WeightRule = Literal["expected", "sample", "argmax"]  # decode-time rules (`net.hard_decode`)
+SelectRule = Literal["expected", "sample", "argmax", "gumbel"]  # every rule of `select`
+ScoreKind = Literal["additive", "dot", "general", "scaled_dot"]
+Anneal = Literal["constant", "linear", "exponential"]
 
 LOG_EPS = 1e-8  # floor on α before the log, so log p(s|a) and H stay finite
 
 
-class AdditiveAttention(nn.Module):
+def key_layers(dim: int, n_layers: int) -> nn.Sequential:
+    """capgen.py's `n_layers_att`: n − 1 extra tanh layers on the projected annotations,
+    tanh(W_l k + b_l) (W_att_l in the authors' code). Empty, without parameters, for n = 1."""
+    if n_layers < 1:
+        raise ValueError(f"n_layers_att must be >= 1, got {n_layers}")
+    layers: list[nn.Module] = []
+    for _ in range(n_layers - 1):
+        layers += [nn.Linear(dim, dim), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+class Scorer(nn.Module):
+    """f_att: `project` annotations (B, L, D) to keys (B, L, K) once per image, then
+    `forward(keys, h)` gives the scores e_t (B, L) at every step."""
+
+    key: nn.Module
+
+    def __init__(self, *, key_dim: int, n_layers: int = 1) -> None:
+        super().__init__()
+        self.deep = key_layers(key_dim, n_layers)
+
+    def project(self, features: Tensor) -> Tensor:
+        """Keys of every location: (B, L, D) -> (B, L, K). Computed once, reused each step."""
+        return self.deep(self.key(features))
+
+    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class AdditiveAttention(Scorer):
     """f_att(a_i, h_{t-1}) = w^T tanh(W_a a_i + W_h h_{t-1} + b) (Eq. 4, Bahdanau scoring)."""
 
-    def __init__(self, *, feature_dim: int, hidden_dim: int, attn_dim: int) -> None:
-        super().__init__()
+    def __init__(self, *, feature_dim: int, hidden_dim: int, attn_dim: int,
+                 n_layers: int = 1) -> None:
+        super().__init__(key_dim=attn_dim, n_layers=n_layers)
         self.key = nn.Linear(feature_dim, attn_dim)  # W_a, applied once per image
         self.query = nn.Linear(hidden_dim, attn_dim, bias=False)  # W_h
         # No bias on w: α = softmax(e) is invariant to a shift shared by all locations, so a
         # bias here would be a parameter that never receives a gradient.
         self.score = nn.Linear(attn_dim, 1, bias=False)  # w
-
-    def project(self, features: Tensor) -> Tensor:
-        """W_a a_i for every location: (B, L, D) -> (B, L, A). Computed once, reused each step."""
-        return self.key(features)
 
     def forward(self, keys: Tensor, h: Tensor) -> Tensor:
         """Scores e_ti (B, L) from projected keys (B, L, A) and the previous hidden state (B, H)."""
@@ -42,27 +81,144 @@ class AdditiveAttention(nn.Module):
         return e.squeeze(-1)
 
 
+class DotAttention(Scorer):
+    """e_ti = (W_q h_{t-1})^T (W_k a_i), both projected to attn_dim (Luong et al. 2015, "dot").
+    No biases: a bias on either side would add a term shared by all locations (no gradient)
+    or one the other projection already spans."""
+
+    def __init__(self, *, feature_dim: int, hidden_dim: int, attn_dim: int,
+                 n_layers: int = 1) -> None:
+        super().__init__(key_dim=attn_dim, n_layers=n_layers)
+        self.key = nn.Linear(feature_dim, attn_dim, bias=False)  # W_k, once per image
+        self.query = nn.Linear(hidden_dim, attn_dim, bias=False)  # W_q
+
+    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
+        q = self.query(h).unsqueeze(2)  # (B, A, 1)
+        return torch.bmm(keys, q).squeeze(2)  # (B, L)
+
+
+class ScaledDotAttention(DotAttention):
+    """The dot score divided by √attn_dim (Vaswani et al. 2017), so its scale does not grow
+    with the projection's size."""
+
+    def __init__(self, *, feature_dim: int, hidden_dim: int, attn_dim: int,
+                 n_layers: int = 1) -> None:
+        super().__init__(feature_dim=feature_dim, hidden_dim=hidden_dim, attn_dim=attn_dim,
+                         n_layers=n_layers)
+        self.scale = 1.0 / math.sqrt(attn_dim)
+
+    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
+        return super().forward(keys, h) * self.scale  # (B, L)
+
+
+class GeneralAttention(Scorer):
+    """e_ti = h_{t-1}^T W a_i (Luong et al. 2015, "general", bilinear). The keys W a_i (B, L, H)
+    are computed once per image, so each step is one batched dot product."""
+
+    def __init__(self, *, feature_dim: int, hidden_dim: int, attn_dim: int,
+                 n_layers: int = 1) -> None:
+        super().__init__(key_dim=hidden_dim, n_layers=n_layers)  # attn_dim is not used
+        self.key = nn.Linear(feature_dim, hidden_dim, bias=False)  # W
+
+    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
+        return torch.bmm(keys, h.unsqueeze(2)).squeeze(2)  # (B, L)
+
+
+#: Scorers by their `net.score` config value.
+SCORERS: dict[str, type[Scorer]] = {
+    "additive": AdditiveAttention,
+    "dot": DotAttention,
+    "general": GeneralAttention,
+    "scaled_dot": ScaledDotAttention,
+}
+
+
+def build_scorer(score: str, *, feature_dim: int, hidden_dim: int, attn_dim: int,
+                 n_layers: int = 1) -> Scorer:
+    """The scorer named `score` (a key of `SCORERS`)."""
+    if score not in SCORERS:
+        raise ValueError(f"score must be one of {sorted(SCORERS)}, got {score!r}")
+    return SCORERS[score](feature_dim=feature_dim, hidden_dim=hidden_dim, attn_dim=attn_dim,
+                          n_layers=n_layers)
+
+
+@dataclass(frozen=True)
+class GumbelSchedule:
+    """Temperature τ of the Gumbel-softmax relaxation over training: from `start` to `end` over
+    `steps` optimiser steps (0: the run's total), `linear` or `exponential` (geometric); then
+    `end`. `constant` keeps `start`."""
+
+    start: float = 1.0
+    end: float = 0.5
+    anneal: Anneal = "exponential"
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.start <= 0 or self.end <= 0:
+            raise ValueError(f"gumbel τ must be > 0, got start {self.start}, end {self.end}")
+        if self.anneal not in ("constant", "linear", "exponential"):
+            raise ValueError(f"gumbel_anneal must be constant|linear|exponential, "
+                             f"got {self.anneal!r}")
+        if self.steps < 0:
+            raise ValueError(f"gumbel_anneal_steps must be >= 0, got {self.steps}")
+
+    def tau(self, step: int, total: int) -> float:
+        """τ at optimiser step `step` of a run of `total` steps (`self.steps` when set)."""
+        span = self.steps or total
+        if self.anneal == "constant" or span <= 0:
+            return self.start
+        p = min(1.0, max(0.0, step / span))
+        if self.anneal == "linear":
+            return self.start + (self.end - self.start) * p
+        return self.start * (self.end / self.start) ** p
+
+
 class Selection(NamedTuple):
     weights: Tensor  # (B, L) weights forming the context
     alpha: Tensor  # (B, L) attention distribution α_t (Eq. 5)
-    location: Tensor  # (B,) chosen location (argmax for expected/argmax, the sample for sample)
-    log_prob: Tensor | None  # (B,) log p(s_t | a) of the sample; sample rule only
-    entropy: Tensor | None  # (B,) H[α_t]; sample rule only
+    location: Tensor  # (B,) chosen location (argmax for expected/argmax, else the sample)
+    log_prob: Tensor | None  # (B,) log α at the chosen location; sample and gumbel rules only
+    entropy: Tensor | None  # (B,) H[α_t]; sample and gumbel rules only
 
 
-def select(scores: Tensor, rule: WeightRule) -> Selection:
-    """α_t = softmax(e_t) (Eq. 5), then the weights by `rule`."""
+def sample_gumbel(like: Tensor) -> Tensor:
+    """g ~ Gumbel(0, 1) of `like`'s shape: −log(−log u), u ~ U(0, 1) kept off 0 and 1."""
+    u = torch.rand_like(like, dtype=torch.float32).clamp(LOG_EPS, 1.0 - LOG_EPS)
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_straight_through(log_alpha: Tensor, tau: float | Tensor,
+                            noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(weights, location): one-hot of argmax(log α + g) forward; the gradient of the relaxed
+    sample y = softmax((log α + g) / τ) backward. y − y.detach() is exactly zero, so the
+    forward weights are exactly one-hot."""
+    g = sample_gumbel(log_alpha) if noise is None else noise
+    perturbed = log_alpha + g  # (B, L)
+    y_soft = F.softmax(perturbed / tau, dim=-1)
+    loc = perturbed.argmax(-1)
+    y_hard = F.one_hot(loc, log_alpha.size(-1)).to(y_soft.dtype)
+    return y_hard + (y_soft - y_soft.detach()), loc
+
+
+def select(scores: Tensor, rule: SelectRule, *, tau: float | Tensor = 1.0,
+           noise: Tensor | None = None) -> Selection:
+    """α_t = softmax(e_t) (Eq. 5), then the weights by `rule` (`tau` and the Gumbel `noise`
+    (B, L) apply to the gumbel rule; fresh noise when None)."""
     alpha = F.softmax(scores, dim=-1, dtype=torch.float32)  # (B, L), float32 under autocast
     if rule == "expected":
         return Selection(alpha, alpha, alpha.argmax(-1), None, None)
     if rule == "argmax":
         loc = alpha.argmax(-1)
         return Selection(F.one_hot(loc, alpha.size(-1)).to(alpha.dtype), alpha, loc, None, None)
+    if rule not in ("sample", "gumbel"):
+        raise ValueError(f"unknown attention weight rule {rule!r}")
+    log_alpha = torch.log(alpha.clamp_min(LOG_EPS))
+    entropy = -(alpha * log_alpha).sum(-1)  # H[s_t]
     if rule == "sample":
         loc = torch.multinomial(alpha.detach().float(), 1).squeeze(-1)  # s_t ~ Multinoulli(α_t)
-        log_alpha = torch.log(alpha.clamp_min(LOG_EPS))
-        log_prob = log_alpha.gather(1, loc.unsqueeze(1)).squeeze(1)  # log p(s_t | a)
-        entropy = -(alpha * log_alpha).sum(-1)  # H[s_t]
         weights = F.one_hot(loc, alpha.size(-1)).to(alpha.dtype)
-        return Selection(weights, alpha, loc, log_prob, entropy)
-    raise ValueError(f"unknown attention weight rule {rule!r}")
+    else:  # log α + g with the exact log-softmax: no floor where it would bias the relaxation
+        exact = F.log_softmax(scores, dim=-1, dtype=torch.float32)
+        weights, loc = gumbel_straight_through(exact, tau, noise)
+    log_prob = log_alpha.gather(1, loc.unsqueeze(1)).squeeze(1)  # log p(s_t | a)
+    return Selection(weights, alpha, loc, log_prob, entropy)

@@ -2,27 +2,48 @@
 
 `CaptionerConfig` (YAML `model.net`) rebuilds the network; `DecodeConfig` (YAML `model.decode`)
 says how captions are decoded. Both are stored as plain dicts in checkpoints.
+
+`save_pretrained` / `from_pretrained` write and read a shareable model folder (safetensors
+weights, JSON config and vocabulary, a model card; see `captioning.models.pretrained`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from captioning.models.attention import WeightRule
+from captioning.models.attention import Anneal, GumbelSchedule, ScoreKind, WeightRule
 from captioning.models.decoder import (
     AttentionKind,
     AttentionLSTMDecoder,
     DecoderOutput,
+    HardEstimator,
     SemiSampling,
+    SemiSamplingGrad,
 )
-from captioning.models.decoding import Generation, SpecialIds, beam_search, greedy_search
+from captioning.models.decoding import (
+    Generation,
+    SpecialIds,
+    beam_search,
+    greedy_search,
+    sample_search,
+)
 from captioning.models.encoder import CNNEncoder, fingerprint
+from captioning.models.pretrained import (
+    CONFIG_FILE,
+    PretrainedError,
+    model_card,
+    read_model_folder,
+    write_model_folder,
+)
+from captioning.vocab import Vocabulary
 
-Strategy = Literal["greedy", "beam"]
+Strategy = Literal["greedy", "beam", "sample"]
 _Config = TypeVar("_Config", bound="_PlainConfig")
 
 
@@ -55,20 +76,40 @@ class DecodeConfig(_PlainConfig):
     max_len: int = 20
     length_penalty: float = 0.0  # rank finished beams by score / length^penalty
     forbid_unk: bool = False
+    temperature: float = 1.0  # sample: draw words from softmax(logits / temperature)
+    num_captions: int = 1  # captions per image: the n best beams (<= beam_size), or n samples
 
     def __post_init__(self) -> None:
-        if self.strategy not in ("greedy", "beam"):
-            raise ValueError(f"decode.strategy must be 'greedy' or 'beam', got {self.strategy!r}")
-        for name in ("beam_size", "max_len"):
+        if self.strategy not in ("greedy", "beam", "sample"):
+            raise ValueError("decode.strategy must be 'greedy', 'beam' or 'sample', "
+                             f"got {self.strategy!r}")
+        for name in ("beam_size", "max_len", "num_captions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"decode.{name} must be >= 1, got {getattr(self, name)}")
         if self.length_penalty < 0:
             raise ValueError(f"decode.length_penalty must be >= 0, got {self.length_penalty}")
+        if not self.temperature > 0:
+            raise ValueError(f"decode.temperature must be > 0, got {self.temperature}")
+        if self.strategy == "beam" and self.num_captions > self.beam_size:
+            raise ValueError(f"decode.num_captions ({self.num_captions}) must be <= "
+                             f"decode.beam_size ({self.beam_size})")
+        if self.strategy == "greedy" and self.num_captions != 1:
+            raise ValueError("decode.num_captions must be 1 with greedy search (use beam or "
+                             f"sample), got {self.num_captions}")
 
 
 @dataclass(frozen=True)
 class CaptionerConfig(_PlainConfig):
-    """Everything needed to rebuild a Captioner; stored as a plain dict in checkpoints."""
+    """Everything needed to rebuild a Captioner; stored as a plain dict in checkpoints.
+
+    A dict without the newer fields (an older checkpoint) reads with their defaults, which
+    rebuild the same network: the additive score, one attention layer, one init layer.
+    `hard_estimator: gumbel` trains hard attention with the straight-through Gumbel-softmax,
+    its temperature annealed by the `gumbel_*` fields (0 steps: over the whole run).
+    `semi_sampling_grad`: `paper` (the default, as capgen.py) or `detached` (α of semi-sampled
+    captions gets no likelihood gradient). `n_layers_att` / `n_layers_init`: capgen.py's options
+    (2 and 2 in the authors' COCO script, evaluate_coco.py).
+    """
 
     vocab_size: int = 0
     backbone: str = "vgg19"
@@ -85,6 +126,20 @@ class CaptionerConfig(_PlainConfig):
     hard_decode: WeightRule = "expected"
     semi_sampling_prob: float = 0.5
     semi_sampling: SemiSampling = "image"
+    semi_sampling_grad: SemiSamplingGrad = "paper"
+    hard_estimator: HardEstimator = "reinforce"
+    gumbel_tau_start: float = 1.0
+    gumbel_tau_end: float = 0.5
+    gumbel_anneal: Anneal = "exponential"
+    gumbel_anneal_steps: int = 0
+    score: ScoreKind = "additive"
+    n_layers_att: int = 1
+    n_layers_init: int = 1
+
+    def gumbel_schedule(self) -> GumbelSchedule:
+        """The Gumbel-softmax temperature schedule of these settings."""
+        return GumbelSchedule(start=self.gumbel_tau_start, end=self.gumbel_tau_end,
+                              anneal=self.gumbel_anneal, steps=self.gumbel_anneal_steps)
 
 
 class Captioner(nn.Module):
@@ -113,7 +168,17 @@ class Captioner(nn.Module):
             hard_decode=config.hard_decode,
             semi_sampling_prob=config.semi_sampling_prob,
             semi_sampling=config.semi_sampling,
+            semi_sampling_grad=config.semi_sampling_grad,
+            hard_estimator=config.hard_estimator,
+            gumbel=config.gumbel_schedule(),
+            score=config.score,
+            n_layers_att=config.n_layers_att,
+            n_layers_init=config.n_layers_init,
         )
+        #: The words of the token ids and the decoding settings to use: set by
+        #: `from_pretrained` (a model built from a config has no vocabulary).
+        self.vocab: Vocabulary | None = None
+        self.decode: DecodeConfig = DecodeConfig()
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -140,12 +205,72 @@ class Captioner(nn.Module):
         """Teacher-forced pass: captions (B, T+1) start with <start>; lengths include specials."""
         return self.decoder(self.encode(images), captions, lengths)
 
-    def generate(self, images: Tensor, decode: DecodeConfig = DecodeConfig()) -> Generation:
-        """Decode captions; call in eval mode. Hard models use their configured context rule."""
+    def generate(self, images: Tensor, decode: DecodeConfig = DecodeConfig(), *,
+                 grad: bool = False, generator: torch.Generator | None = None) -> Generation:
+        """Decode captions; call in eval mode. Hard models use their configured context rule.
+
+        `num_captions` n > 1 gives N·n rows, image-major (`Generation.per_image`). Sampling
+        draws with `generator`; `grad` keeps the graph of its log-probabilities (SCST)."""
+        if grad and decode.strategy != "sample":
+            raise ValueError(f"grad=True needs strategy 'sample', got {decode.strategy!r}")
         features = self.encode(images)
         if decode.strategy == "greedy":
             return greedy_search(self.decoder, features, max_len=decode.max_len,
                                  forbid_unk=decode.forbid_unk)
+        if decode.strategy == "sample":
+            return sample_search(self.decoder, features, num_samples=decode.num_captions,
+                                 temperature=decode.temperature, max_len=decode.max_len,
+                                 forbid_unk=decode.forbid_unk, grad=grad, generator=generator)
         return beam_search(self.decoder, features, beam_size=decode.beam_size,
                            max_len=decode.max_len, length_penalty=decode.length_penalty,
-                           forbid_unk=decode.forbid_unk)
+                           forbid_unk=decode.forbid_unk, num_captions=decode.num_captions)
+
+    def captions(self, images: Tensor, decode: DecodeConfig | None = None) -> list[str]:
+        """Captions as text (special tokens removed), decoded with `decode` or `self.decode`;
+        needs `self.vocab` (set by `from_pretrained`). Call in eval mode."""
+        if self.vocab is None:
+            raise ValueError("this captioner has no vocabulary: load it with "
+                             "Captioner.from_pretrained(folder), or set .vocab")
+        with torch.no_grad():
+            gen = self.generate(images, decode if decode is not None else self.decode)
+        return [" ".join(self.vocab.decode(row[:n]))
+                for row, n in zip(gen.tokens.tolist(), gen.lengths.tolist())]
+
+    # -- shareable model folders (captioning.models.pretrained) --------------------------------
+    def save_pretrained(self, path: str | os.PathLike[str], *, vocab: Vocabulary | None = None,
+                        decode: DecodeConfig | None = None, card: str | None = None) -> Path:
+        """Write a model folder: model.safetensors, config.json, vocab.json, README.md (`card`,
+        or a card made from the config). `vocab` and `decode` default to the model's own
+        (`from_pretrained` sets them). The config is saved with `weights: null`: the backbone's
+        weights are in the folder, rebuilding it downloads nothing. Returns the folder."""
+        vocab = vocab if vocab is not None else self.vocab
+        if vocab is None:
+            raise ValueError("save_pretrained needs the vocabulary (vocab=...)")
+        if len(vocab) != self.config.vocab_size:
+            raise ValueError(f"vocabulary has {len(vocab)} words but the model was built for "
+                             f"{self.config.vocab_size}")
+        decode = decode if decode is not None else self.decode
+        config = replace(self.config, weights=None).to_dict()
+        if card is None:
+            card = model_card(config, decode.to_dict(), len(vocab), folder=str(path))
+        return write_model_folder(path, state=self.state_dict(), model=config,
+                                  decode=decode.to_dict(), vocab=vocab, card=card)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], *,
+                        device: str | torch.device = "cpu") -> Captioner:
+        """The captioner of a model folder, in eval mode on `device`, with `.vocab` and
+        `.decode` set. Reads JSON and safetensors only (no pickle); raises
+        `captioning.models.pretrained.PretrainedError` (a ValueError naming the file)."""
+        folder = read_model_folder(path)
+        config = folder.config("model", CaptionerConfig.from_dict)
+        decode = folder.config("decode", DecodeConfig.from_dict)
+        folder.check_vocab_size(config.vocab_size, embedding="decoder.embed.weight")
+        try:  # the backbone's weights come from the folder: never download them
+            captioner = cls(replace(config, weights=None))
+        except ValueError as e:
+            raise PretrainedError(f"{folder.path / CONFIG_FILE}: invalid model config: "
+                                  f"{e}") from None
+        folder.load_into(captioner)
+        captioner.vocab, captioner.decode = folder.vocab, decode
+        return captioner.to(device).eval()

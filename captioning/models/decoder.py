@@ -2,12 +2,23 @@
 
 The decoder exposes three calls that every decoding strategy needs:
 
-* `memory(features)`   projects the annotations once per image (W_a a_i);
+* `memory(features)`   projects the annotations once per image (the scorer's keys, e.g. W_a a_i);
 * `init_state(memory)` gives h_0, c_0 from MLPs of the mean annotation;
 * `step(tokens, state, memory)` advances one word and returns log p(y_t), the state and α_t.
 
 `forward` is the teacher-forced pass used for training. It runs each step only on the captions
 that are still going (the batch is sorted by length), so no LSTM work is spent on padding.
+
+Hard attention is trained with sampled locations (`hard_estimator: reinforce`, §4.1) or with the
+straight-through Gumbel-softmax (`gumbel`; τ follows the `GumbelSchedule` through `set_tau`,
+which `captioning.callbacks.GumbelTemperature` calls every training step). Either way a caption
+may use the expected context instead (semi-sampling, §4.1); with `semi_sampling_grad: paper`
+(the paper and the authors' capgen.py) its likelihood's gradient reaches the scorer through α,
+with `detached` it does not.
+
+`n_layers_att` and `n_layers_init` are capgen.py's options of the same names (its COCO script
+evaluate_coco.py sets both to 2): extra tanh layers on the projected annotations, and extra
+ReLU layers (with dropout) on the mean annotation before the init MLPs.
 """
 
 from __future__ import annotations
@@ -19,17 +30,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captioning.models.attention import AdditiveAttention, Selection, WeightRule, select
+from captioning.models.attention import (
+    GumbelSchedule,
+    ScoreKind,
+    Selection,
+    SelectRule,
+    WeightRule,
+    build_scorer,
+    select,
+)
 
 AttentionKind = Literal["soft", "hard"]
 SemiSampling = Literal["image", "batch"]
+SemiSamplingGrad = Literal["paper", "detached"]
+HardEstimator = Literal["reinforce", "gumbel"]
 
 
 class Memory(NamedTuple):
     """What the decoder attends over; fixed for a caption, never reordered by beam search."""
 
     values: Tensor  # (B, L, D) annotation vectors a_i
-    keys: Tensor  # (B, L, A) W_a a_i
+    keys: Tensor  # (B, L, K) the scorer's keys, e.g. W_a a_i
 
 
 class DecoderState(NamedTuple):
@@ -67,28 +88,38 @@ class AttentionLSTMDecoder(nn.Module):
         hard_decode: WeightRule = "expected",
         semi_sampling_prob: float = 0.5,
         semi_sampling: SemiSampling = "image",
+        semi_sampling_grad: SemiSamplingGrad = "paper",
+        hard_estimator: HardEstimator = "reinforce",
+        gumbel: GumbelSchedule | None = None,
+        score: ScoreKind = "additive",
+        n_layers_att: int = 1,
+        n_layers_init: int = 1,
     ) -> None:
         super().__init__()
-        if attention not in ("soft", "hard"):
-            raise ValueError(f"attention must be 'soft' or 'hard', got {attention!r}")
-        if hard_decode not in ("expected", "argmax", "sample"):
-            raise ValueError(f"hard_decode must be expected|argmax|sample, got {hard_decode!r}")
-        if semi_sampling not in ("image", "batch"):
-            raise ValueError(f"semi_sampling must be 'image' or 'batch', got {semi_sampling!r}")
-        if not 0.0 <= semi_sampling_prob <= 1.0:
-            raise ValueError(f"semi_sampling_prob must be in [0, 1], got {semi_sampling_prob}")
+        _check_settings(attention=attention, hard_decode=hard_decode, semi_sampling=semi_sampling,
+                        semi_sampling_prob=semi_sampling_prob,
+                        semi_sampling_grad=semi_sampling_grad, hard_estimator=hard_estimator,
+                        n_layers_init=n_layers_init)
         self.vocab_size = vocab_size
         self.attention_kind: AttentionKind = attention
         self.hard_decode: WeightRule = hard_decode
         self.semi_sampling_prob = semi_sampling_prob
         self.semi_sampling: SemiSampling = semi_sampling
+        self.semi_sampling_grad: SemiSamplingGrad = semi_sampling_grad
+        self.hard_estimator: HardEstimator = hard_estimator
+        self.gumbel_schedule = gumbel if gumbel is not None else GumbelSchedule()
+        # Gumbel-softmax temperature τ of the training pass, set every step from the schedule
+        # (`set_tau`). A tensor, not in the state dict: a new value is data, so a compiled step
+        # does not recompile as τ anneals.
+        self.tau: Tensor
+        self.register_buffer("tau", torch.tensor(self.gumbel_schedule.start), persistent=False)
 
         self.embed = nn.Embedding(vocab_size, embed_dim)  # E
+        self.init_trunk = _init_trunk(feature_dim, n_layers_init, dropout)  # capgen ff_init_l
         self.init_h = nn.Linear(feature_dim, hidden_dim)  # f_init,h
         self.init_c = nn.Linear(feature_dim, hidden_dim)  # f_init,c
-        self.attention = AdditiveAttention(
-            feature_dim=feature_dim, hidden_dim=hidden_dim, attn_dim=attn_dim
-        )
+        self.attention = build_scorer(score, feature_dim=feature_dim, hidden_dim=hidden_dim,
+                                      attn_dim=attn_dim, n_layers=n_layers_att)  # f_att (Eq. 4)
         self.gate = nn.Linear(hidden_dim, 1)  # f_β
         self.lstm = nn.LSTMCell(embed_dim + feature_dim, hidden_dim)  # T_{D+m+n,n}
         self.out_h = nn.Linear(hidden_dim, embed_dim)  # L_h
@@ -98,12 +129,12 @@ class AttentionLSTMDecoder(nn.Module):
 
     # -- the step API -----------------------------------------------------------------------
     def memory(self, features: Tensor) -> Memory:
-        """Annotations (B, L, D) and their projection W_a a_i (B, L, A), computed once."""
+        """Annotations (B, L, D) and the scorer's keys (B, L, K), computed once."""
         return Memory(features, self.attention.project(features))
 
     def init_state(self, memory: Memory) -> DecoderState:
         """c_0 = f_init,c(mean a_i), h_0 = f_init,h(mean a_i) (§3.1.2)."""
-        mean = memory.values.mean(dim=1)  # (B, D)
+        mean = self.init_trunk(memory.values.mean(dim=1))  # (B, D)
         h = torch.tanh(self.init_h(mean))
         c = torch.tanh(self.init_c(mean))
         loc = torch.zeros(mean.size(0), dtype=torch.long, device=mean.device)
@@ -118,6 +149,10 @@ class AttentionLSTMDecoder(nn.Module):
         logits = self._output(emb, h, z_hat)
         return F.log_softmax(logits.float(), dim=-1), DecoderState(h, c, sel.location), sel.alpha
 
+    def set_tau(self, tau: float) -> None:
+        """Set the Gumbel-softmax temperature τ of the training pass."""
+        self.tau.fill_(tau)
+
     @property
     def step_rule(self) -> WeightRule:
         """The weight rule used at decoding time."""
@@ -130,16 +165,18 @@ class AttentionLSTMDecoder(nn.Module):
         h: Tensor,
         c: Tensor,
         memory: Memory,
-        rule: WeightRule,
+        rule: SelectRule,
         use_expected: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Selection]:
         scores = self.attention(memory.keys, h)  # e_ti = f_att(a_i, h_{t-1}) (Eq. 4)
-        sel = select(scores, rule)  # α_t (Eq. 5) and the weights
+        sel = select(scores, rule, tau=self.tau)  # α_t (Eq. 5) and the weights
         weights = sel.weights
         if use_expected is not None:
-            # Semi-sampling (§4.1): these captions use the expected context instead of the sample.
-            # α is detached: in hard mode the scorer learns only from REINFORCE and entropy terms.
-            weights = torch.where(use_expected.unsqueeze(1), sel.alpha.detach(), weights)
+            # Semi-sampling (§4.1): these captions use the expected context, s̃_t = α_t. `paper`
+            # keeps α differentiable (capgen.py), so the likelihood trains the scorer through
+            # these captions; `detached` leaves the scorer to REINFORCE and entropy terms.
+            alpha = sel.alpha if self.semi_sampling_grad == "paper" else sel.alpha.detach()
+            weights = torch.where(use_expected.unsqueeze(1), alpha, weights)
         weights = weights.to(memory.values.dtype)  # α is float32 (softmax), a_i may be bf16
         z = torch.bmm(weights.unsqueeze(1), memory.values).squeeze(1)  # z_t = Σ_i w_ti a_i (Eq. 6)
         beta = torch.sigmoid(self.gate(h))  # β_t = σ(f_β(h_{t-1})) (§4.2.1)
@@ -152,12 +189,12 @@ class AttentionLSTMDecoder(nn.Module):
         x = emb + self.out_h(self.dropout(h)) + self.out_z(z_hat)
         return self.out(self.dropout(x))
 
-    def _training_rule(self) -> tuple[WeightRule, bool]:
+    def _training_rule(self) -> tuple[SelectRule, bool]:
         """(rule, semi-sample?) for the teacher-forced pass."""
         if self.attention_kind == "soft":
             return "expected", False
         if self.training:
-            return "sample", True
+            return ("gumbel" if self.hard_estimator == "gumbel" else "sample"), True
         return self.hard_decode, False
 
     def _semi_sampling_coin(self, batch: int, device: torch.device) -> Tensor:
@@ -168,7 +205,7 @@ class AttentionLSTMDecoder(nn.Module):
 
     # -- teacher forcing -------------------------------------------------------------------
     def forward(self, features: Tensor, captions: Tensor, lengths: Tensor, *,
-                rule: WeightRule | None = None) -> DecoderOutput:
+                rule: SelectRule | None = None) -> DecoderOutput:
         """features (B, L, D); captions (B, T+1) starting with <start>; lengths (B,) incl. specials.
 
         `rule` forces one weight rule for every caption (no semi-sampling); by default soft
@@ -218,9 +255,10 @@ class AttentionLSTMDecoder(nn.Module):
         hs_bt, zs_bt = _stack_padded(hs, B), _stack_padded(zs, B)  # (B, T, H), (B, T, D)
         alphas = _stack_padded(alphas_t, B) if T else emb.new_zeros(B, 0, L)  # (B, T, L)
         logits = self._output(emb, hs_bt, zs_bt) if T else emb.new_zeros(B, 0, self.vocab_size)
-        log_ps = _stack_padded(log_ps_t, B) if rule == "sample" and T else None  # (B, T)
-        ents = _stack_padded(ents_t, B) if rule == "sample" and T else None
-        if rule == "sample" and not T:
+        sampling = rule in ("sample", "gumbel")  # a location per step: log p(s_t | a) and H
+        log_ps = _stack_padded(log_ps_t, B) if sampling and T else None  # (B, T)
+        ents = _stack_padded(ents_t, B) if sampling and T else None
+        if sampling and not T:
             log_ps, ents = emb.new_zeros(B, 0), emb.new_zeros(B, 0)
 
         out = DecoderOutput(logits, alphas, log_ps, ents, None)
@@ -232,6 +270,33 @@ class AttentionLSTMDecoder(nn.Module):
             out = DecoderOutput(*(None if x is None else x[inv] for x in (
                 out.logits, out.alphas, out.attn_log_probs, out.attn_entropy, out.sampled)))
         return out
+
+
+def _check_settings(*, attention: str, hard_decode: str, semi_sampling: str,
+                    semi_sampling_prob: float, semi_sampling_grad: str, hard_estimator: str,
+                    n_layers_init: int) -> None:
+    """Refuse a setting the decoder does not know, naming it."""
+    choices = {"attention": (attention, ("soft", "hard")),
+               "hard_decode": (hard_decode, ("expected", "argmax", "sample")),
+               "semi_sampling": (semi_sampling, ("image", "batch")),
+               "semi_sampling_grad": (semi_sampling_grad, ("paper", "detached")),
+               "hard_estimator": (hard_estimator, ("reinforce", "gumbel"))}
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{name} must be {'|'.join(allowed)}, got {value!r}")
+    if not 0.0 <= semi_sampling_prob <= 1.0:
+        raise ValueError(f"semi_sampling_prob must be in [0, 1], got {semi_sampling_prob}")
+    if n_layers_init < 1:
+        raise ValueError(f"n_layers_init must be >= 1, got {n_layers_init}")
+
+
+def _init_trunk(dim: int, n_layers: int, dropout: float) -> nn.Sequential:
+    """capgen.py's `n_layers_init`: n − 1 layers ReLU(W_l x + b_l) with dropout on the mean
+    annotation, shared by f_init,h and f_init,c. Empty, without parameters, for n = 1."""
+    layers: list[nn.Module] = []
+    for _ in range(n_layers - 1):
+        layers += [nn.Linear(dim, dim), nn.ReLU(), nn.Dropout(dropout)]
+    return nn.Sequential(*layers)
 
 
 def _stack_padded(rows: list[Tensor], batch: int) -> Tensor:

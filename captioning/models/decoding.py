@@ -1,12 +1,16 @@
-"""Greedy and batched beam search over `decoder.step()`; the one decoding path of the project.
+"""Greedy, sampling and batched beam search over `decoder.step()`; the one decoding path.
 
 Beam search keeps the N images × k beams as one batch of N·k rows. Rows of image n are
 n·k .. n·k + k - 1 at every step, so the annotation memory is expanded once and never
 reordered; only the recurrent state is gathered.
+
+Several captions per image (k samples, or the n best beams) come back image-major: a
+`Generation` of N·k rows where rows i·k .. i·k + k - 1 belong to image i (`per_image` = k).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,6 +40,18 @@ class Generation:
     alphas: Tensor  # (N, T, L) α of every emitted word, zero past the end
     locations: Tensor  # (N, T) location attended (argmax α, or the hard sample)
     finished: Tensor  # (N,) bool: the caption ended with <end> within max_len
+    token_log_probs: Tensor | None = None  # (N, T) log p of each emitted token (sampling)
+    per_image: int = 1  # rows per image, image-major: rows i·k .. i·k + k - 1 are image i's
+
+    def first_per_image(self) -> Generation:
+        """Row i·k of each image (its best beam, or first sample): one row per image."""
+        k = self.per_image
+        if k == 1:
+            return self
+        lp = self.token_log_probs
+        return Generation(self.tokens[::k], self.lengths[::k], self.scores[::k],
+                          self.alphas[::k], self.locations[::k], self.finished[::k],
+                          None if lp is None else lp[::k])
 
 
 @dataclass(frozen=True)
@@ -100,6 +116,128 @@ def greedy_search(
     return Generation(out_tokens[:, :T], lengths, scores, out_alphas[:, :T], out_locs[:, :T], done)
 
 
+def _allowed(log_probs: Tensor, ids: SpecialIds, forbid_unk: bool) -> Tensor:
+    """`_banned` out of place (autograd-safe), renormalised over the words that may be emitted."""
+    banned = [ids.pad, ids.start, *([ids.unk] if forbid_unk else [])]
+    mask = torch.zeros(log_probs.size(-1), dtype=torch.bool, device=log_probs.device)
+    mask[banned] = True
+    return log_probs.masked_fill(mask, NEG_INF).log_softmax(dim=-1)
+
+
+def _draw(log_probs: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """One word per row from softmax(log_probs / T): (B, V) -> (B,)."""
+    probs = (log_probs.detach() / temperature).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def sample_search(
+    decoder: StepDecoder,
+    features: Tensor,
+    *,
+    num_samples: int = 1,
+    temperature: float = 1.0,
+    max_len: int = 20,
+    ids: SpecialIds = SpecialIds(),
+    forbid_unk: bool = False,
+    grad: bool = False,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Draw each word from softmax(logits / T), batched over images; `num_samples` per image.
+
+    Rows are image-major (rows i·k .. i·k + k - 1 are image i's samples), sharing one
+    `decoder.memory` per image. `token_log_probs` (N·k, T) and `scores` are log p of the
+    drawn words under the model at T = 1, renormalised over the words that may be emitted
+    (the policy SCST differentiates); with `grad` they keep their graph under the caller's
+    grad mode, else the search runs under no_grad. Hard attention uses the decoder's rule.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    with contextlib.nullcontext() if grad else torch.no_grad():
+        memory = decoder.memory(features)  # once per image, then shared by its k rows
+        state = decoder.init_state(memory)
+        if num_samples > 1:
+            memory = type(memory)(*(m.repeat_interleave(num_samples, dim=0) for m in memory))
+            state = type(state)(*(x.repeat_interleave(num_samples, dim=0) for x in state))
+        gen = _sample_loop(decoder, memory, state, temperature=temperature, max_len=max_len,
+                           ids=ids, forbid_unk=forbid_unk, generator=generator)
+    gen.per_image = num_samples
+    return gen
+
+
+def _sample_loop(decoder: StepDecoder, memory: Memory, state: DecoderState, *,
+                 temperature: float, max_len: int, ids: SpecialIds, forbid_unk: bool,
+                 generator: torch.Generator | None) -> Generation:
+    """The sampling steps over N rows; per-step outputs are stacked once (autograd-friendly)."""
+    N, device = memory.values.size(0), memory.values.device
+    tokens = torch.full((N,), ids.start, dtype=torch.long, device=device)
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    words_t: list[Tensor] = []
+    log_p_t: list[Tensor] = []
+    alphas_t: list[Tensor] = []
+    locs_t: list[Tensor] = []
+    for _ in range(max_len):
+        log_probs, state, alpha = decoder.step(tokens, state, memory)
+        policy = _allowed(log_probs, ids, forbid_unk)  # (N, V)
+        tokens = _draw(policy, temperature, generator)  # (N,)
+        live = ~done
+        words_t.append(torch.where(live, tokens, ids.pad))
+        log_p_t.append(torch.where(live, policy.gather(1, tokens.unsqueeze(1)).squeeze(1), 0.0))
+        alphas_t.append(alpha.detach().float() * live.unsqueeze(1))
+        locs_t.append(torch.where(live, state.location, 0))
+        done = done | (tokens == ids.end)
+        if bool(done.all()):
+            break
+    words = torch.stack(words_t, dim=1)  # (N, T)
+    lengths = (words != ids.pad).sum(dim=1)  # <pad> is never drawn
+    T = int(lengths.max().item()) if N else 0
+    log_p = torch.stack(log_p_t, dim=1)[:, :T]  # (N, T)
+    return Generation(words[:, :T], lengths, log_p.sum(dim=1),
+                      torch.stack(alphas_t, dim=1)[:, :T], torch.stack(locs_t, dim=1)[:, :T],
+                      done, token_log_probs=log_p)
+
+
+class _Finished:
+    """The n best finished hypotheses of each of N images, best first by normalised score."""
+
+    def __init__(self, N: int, n: int, max_len: int, L: int, pad: int,
+                 device: torch.device) -> None:
+        self.norm = torch.full((N, n), NEG_INF, device=device)
+        self.score = torch.full((N, n), NEG_INF, device=device)
+        self.length = torch.zeros(N, n, dtype=torch.long, device=device)
+        self.tok = torch.full((N, n, max_len), pad, dtype=torch.long, device=device)  # (N, n, T)
+        self.alpha = torch.zeros(N, n, max_len, L, device=device)  # (N, n, T, L)
+        self.loc = torch.zeros(N, n, max_len, dtype=torch.long, device=device)  # (N, n, T)
+
+    def keep(self, images: Tensor, slot: Tensor, new: Tensor, norm: Tensor, score: Tensor,
+             length: int, tok: Tensor, alpha: Tensor, loc: Tensor) -> None:
+        """Images (c,) keep, per slot (c, n), their old hypothesis `slot` or, where `new`, the
+        given one (norm, score (c, n); tok, loc (c, n, T); alpha (c, n, T, L))."""
+        def take(old: Tensor) -> Tensor:
+            index = slot.view(*slot.shape, *([1] * (old.dim() - 2))).expand_as(old)
+            return old.gather(1, index)
+
+        def pick(old: Tensor, fresh: Tensor) -> Tensor:
+            return torch.where(new.view(*new.shape, *([1] * (old.dim() - 2))), fresh, take(old))
+
+        self.norm[images] = pick(self.norm[images], norm)
+        self.score[images] = pick(self.score[images], score)
+        self.length[images] = pick(self.length[images], torch.full_like(slot, length))
+        self.tok[images] = pick(self.tok[images], tok)
+        self.alpha[images] = pick(self.alpha[images], alpha)
+        self.loc[images] = pick(self.loc[images], loc)
+
+    def generation(self) -> Generation:
+        """N·n rows, image-major, best first."""
+        N, n = self.norm.shape
+        T = int(self.length.max().item()) if N else 0
+        return Generation(self.tok.flatten(0, 1)[:, :T], self.length.flatten(),
+                          self.score.flatten(), self.alpha.flatten(0, 1)[:, :T],
+                          self.loc.flatten(0, 1)[:, :T], torch.isfinite(self.norm).flatten(),
+                          per_image=n)
+
+
 @torch.no_grad()
 def beam_search(
     decoder: StepDecoder,
@@ -110,18 +248,22 @@ def beam_search(
     length_penalty: float = 0.0,
     ids: SpecialIds = SpecialIds(),
     forbid_unk: bool = False,
+    num_captions: int = 1,
 ) -> Generation:
-    """Batched beam search (N images × k beams as one batch); best hypothesis per image.
+    """Batched beam search (N images × k beams as one batch); the n best hypotheses per image.
 
-    Finished hypotheses are ranked by `length_normalised`. The search for an image stops
-    once no live beam can still beat its best finished one, and its rows leave the batch.
-    An image with no finished hypothesis by `max_len` returns its best live beam
-    (`finished` False).
+    Finished hypotheses are ranked by `length_normalised`. With `num_captions` n > 1 the
+    result has N·n rows, image-major and best first (`per_image` = n); n = 1 gives one row per
+    image. The search for an image stops once no live beam can still beat its n-th best
+    finished one, and its rows leave the batch. Slots with no finished hypothesis by `max_len`
+    take the image's best live beams, after its finished ones (`finished` False).
     """
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    if not 1 <= num_captions <= beam_size:
+        raise ValueError(f"num_captions must be in [1, beam_size={beam_size}], got {num_captions}")
     N, L = features.size(0), features.size(1)
-    k, device = beam_size, features.device
+    k, nb, device = beam_size, num_captions, features.device
     memory = decoder.memory(features)
     memory = type(memory)(*(m.repeat_interleave(k, dim=0) for m in memory))  # (N·k, ...)
     state = decoder.init_state(memory)
@@ -133,13 +275,7 @@ def beam_search(
     hist_tok = torch.empty(N, k, 0, dtype=torch.long, device=device)
     hist_alpha = torch.empty(N, k, 0, L, device=device)
     hist_loc = torch.empty(N, k, 0, dtype=torch.long, device=device)
-
-    fin_norm = torch.full((N,), NEG_INF, device=device)
-    fin_score = torch.full((N,), NEG_INF, device=device)
-    fin_len = torch.zeros(N, dtype=torch.long, device=device)
-    fin_tok = torch.full((N, max_len), ids.pad, dtype=torch.long, device=device)
-    fin_alpha = torch.zeros(N, max_len, L, device=device)
-    fin_loc = torch.zeros(N, max_len, dtype=torch.long, device=device)
+    fin = _Finished(N, nb, max_len, L, ids.pad, device)
 
     for t in range(max_len):
         n = alive.numel()
@@ -154,30 +290,34 @@ def beam_search(
         length = t + 1
 
         # Finished candidates: an <end> among the top k (as in fairseq, so k = 1 is greedy)
-        # is compared with each image's best finished hypothesis so far.
-        in_top_k = torch.arange(top_idx.size(1), device=device) < k
-        is_end = (word == ids.end) & torch.isfinite(top_scores) & in_top_k
-        norm = length_normalised(top_scores, torch.full_like(word, length), length_penalty)
-        norm = torch.where(is_end, norm, torch.full_like(norm, NEG_INF))
-        best_norm, best_j = norm.max(dim=1)  # (n,)
-        improve = best_norm > fin_norm[alive]
-        if bool(improve.any()):
-            local = improve.nonzero().squeeze(1)
-            g = alive[local]  # original image indices
-            j = best_j[local]
-            b = src_beam[local, j]
-            rows = local * k + b
-            fin_norm[g] = best_norm[local]
-            fin_score[g] = top_scores[local, j]
-            fin_len[g] = length
-            fin_tok[g, :t] = hist_tok[local, b]
-            fin_tok[g, t] = ids.end
-            fin_tok[g, t + 1 :] = ids.pad
-            fin_alpha[g, :t] = hist_alpha[local, b]
-            fin_alpha[g, t] = alpha[rows].float()
-            fin_alpha[g, t + 1 :] = 0.0
-            fin_loc[g, :t] = hist_loc[local, b]
-            fin_loc[g, t] = state.location[rows]
+        # competes with each image's n best finished hypotheses so far; a stable sort keeps
+        # the older one on ties.
+        is_end = (word[:, :k] == ids.end) & torch.isfinite(top_scores[:, :k])
+        norm = length_normalised(top_scores[:, :k], torch.full_like(word[:, :k], length),
+                                 length_penalty)
+        norm = torch.where(is_end, norm, torch.full_like(norm, NEG_INF))  # (n, k)
+        merged = torch.cat([fin.norm[alive], norm], dim=1)  # (n, nb + k)
+        order = merged.sort(dim=1, descending=True, stable=True).indices[:, :nb]  # (n, nb)
+        changed = (order >= nb).any(dim=1)
+        if bool(changed.any()):
+            local = changed.nonzero().squeeze(1)
+            pick = order[local]  # (c, nb)
+            j = (pick - nb).clamp_min(0)  # column among the top k, where new
+            b = src_beam[local].gather(1, j)  # (c, nb) beam the new hypothesis extends
+            rows = local.unsqueeze(1) * k + b  # (c, nb) rows of this step
+            c = local.numel()
+            tok = torch.full((c, nb, max_len), ids.pad, dtype=torch.long, device=device)
+            tok[:, :, :t] = hist_tok[local.unsqueeze(1), b]
+            tok[:, :, t] = ids.end
+            alphas = torch.zeros(c, nb, max_len, L, device=device)
+            alphas[:, :, :t] = hist_alpha[local.unsqueeze(1), b]
+            alphas[:, :, t] = alpha[rows].float()
+            locs = torch.zeros(c, nb, max_len, dtype=torch.long, device=device)
+            locs[:, :, :t] = hist_loc[local.unsqueeze(1), b]
+            locs[:, :, t] = state.location[rows]
+            fin.keep(alive[local], pick.clamp_max(nb - 1), pick >= nb,
+                     merged[local].gather(1, pick), top_scores[local].gather(1, j), length,
+                     tok, alphas, locs)
 
         # Live candidates: the best k that did not end.
         live_scores = torch.where(word == ids.end, torch.full_like(top_scores, NEG_INF), top_scores)
@@ -195,14 +335,15 @@ def beam_search(
                               state.location.view(n, k, 1)], dim=2)
         tokens = new_word.view(-1)
 
-        # An image is done once no live beam can beat its best finished hypothesis. Raw scores
-        # only fall as words are added, so with α >= 0 the best a live beam can reach is its
-        # score normalised by the longest allowed length.
+        # An image is done once no live beam can beat its n-th best finished hypothesis. Raw
+        # scores only fall as words are added, so with α >= 0 the best a live beam can reach is
+        # its score normalised by the longest allowed length.
         best_live = beam_scores.max(dim=1).values
         bound_len = max_len if length_penalty > 0 else length
         bound = length_normalised(best_live, torch.full_like(best_live, bound_len),
                                   length_penalty)
-        done = torch.isfinite(fin_norm[alive]) & (fin_norm[alive] >= bound)
+        worst = fin.norm[alive, -1]
+        done = torch.isfinite(worst) & (worst >= bound)
         if bool(done.all()) or t == max_len - 1:
             break
         if bool(done.any()):  # finished images leave the batch
@@ -214,18 +355,16 @@ def beam_search(
             state = type(state)(*(x.index_select(0, keep_rows) for x in state))
             tokens = tokens.index_select(0, keep_rows)
 
-    # Images still searching with no finished hypothesis: return the best live beam.
-    none_local = (~torch.isfinite(fin_norm[alive])).nonzero().squeeze(1)
-    if none_local.numel():
-        g = alive[none_local]
-        b = beam_scores[none_local].argmax(dim=1)
-        T = hist_tok.size(2)
-        fin_tok[g, :T] = hist_tok[none_local, b]
-        fin_alpha[g, :T] = hist_alpha[none_local, b]
-        fin_loc[g, :T] = hist_loc[none_local, b]
-        fin_len[g] = T
-        fin_score[g] = beam_scores[none_local, b]
-    finished = torch.isfinite(fin_norm)
-    T = int(fin_len.max().item()) if N else 0
-    return Generation(fin_tok[:, :T], fin_len, fin_score, fin_alpha[:, :T], fin_loc[:, :T],
-                      finished)
+    # Slots still empty (the trailing ones: slots are sorted) take the best live beams.
+    missing = ~torch.isfinite(fin.norm[alive])  # (n, nb)
+    if bool(missing.any()):
+        ranked = beam_scores.sort(dim=1, descending=True, stable=True).indices  # (n, k)
+        local, slot = missing.nonzero(as_tuple=True)
+        b = ranked[local, slot - (nb - missing.sum(dim=1))[local]]
+        g, T = alive[local], hist_tok.size(2)
+        fin.tok[g, slot, :T] = hist_tok[local, b]
+        fin.alpha[g, slot, :T] = hist_alpha[local, b]
+        fin.loc[g, slot, :T] = hist_loc[local, b]
+        fin.length[g, slot] = T
+        fin.score[g, slot] = beam_scores[local, b]
+    return fin.generation()

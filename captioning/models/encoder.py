@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -88,7 +89,29 @@ def build_backbone(name: str, weights: str | None) -> nn.Module:
     except KeyError as e:
         raise ValueError(f"unknown weights {weights!r} for {name}; use None, DEFAULT, "
                          f"{[m.name for m in enum]} or a file path") from e
-    return builder(weights=member)
+    return _pretrained(builder, member, name)
+
+
+class WeightsUnavailableError(FileNotFoundError):
+    """Pretrained backbone weights are neither in the torch cache nor downloadable."""
+
+
+def _pretrained(builder: Any, member: Any, name: str) -> nn.Module:
+    """`builder(weights=member)`; a failed download becomes one line that names the weights,
+    the file torchvision expects and the `weights: /path/to/file.pth` option."""
+    target = Path(torch.hub.get_dir()) / "checkpoints" / Path(member.url).name
+    try:
+        return builder(weights=member)
+    except OSError as e:  # urllib's URLError, timeouts, refused connections
+        if target.is_file():
+            raise
+        reason = getattr(e, "reason", None) or e.strerror or e
+        raise WeightsUnavailableError(
+            f"backbone {name}: pretrained weights {type(member).__name__}.{member.name} are "
+            f"not in {target.parent} and cannot be downloaded ({reason}); put "
+            f"{target.name} there (or set $TORCH_HOME), or give the file with "
+            "model.net.weights: /path/to/file.pth (weights: null trains from scratch)"
+        ) from None
 
 
 class CNNEncoder(nn.Module):

@@ -1,0 +1,107 @@
+"""The configs shipped inside the package, and `captioning configs` to list them.
+
+The YAML files live in `captioning/configs/` (package data; the repository's `configs/` is a
+link to it, so there is one copy). `--config` takes a path, or a shipped config by name:
+`paper_soft`, `model/paper_soft` or `model/paper_soft.yaml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib.resources import files
+from pathlib import Path
+
+from captioning.commands.errors import ConfigError
+
+#: The shipped configs' folder: trainer/, data/, model/ (and later groups), each of YAML files.
+CONFIG_DIR = Path(str(files("captioning") / "configs"))
+#: Flags whose value is a config file (LightningCLI's `--config`, and one per group).
+CONFIG_FLAGS = ("--config", "--trainer", "--data", "--model")
+
+
+class UnknownConfigError(ConfigError):
+    """A `--config` value that is neither a file nor a shipped config's name."""
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Every shipped config by its name relative to CONFIG_DIR, without `.yaml`
+    (e.g. "model/paper_soft"), sorted."""
+    return {p.relative_to(CONFIG_DIR).with_suffix("").as_posix(): p
+            for p in sorted(CONFIG_DIR.rglob("*.yaml"))}
+
+
+def find_config(name: str, group: str | None = None) -> Path:
+    """The file a `--config` value names: an existing path as given; else a shipped config by
+    `group/name[.yaml]` or, when unambiguous, by `name` alone (in `group` when given)."""
+    if Path(name).exists():
+        return Path(name)
+    shipped = shipped_configs()
+    key = name.removesuffix(".yaml").removeprefix("configs/")
+    if key in shipped:
+        return shipped[key]
+    if group is not None and f"{group}/{key}" in shipped:
+        return shipped[f"{group}/{key}"]
+    matches = [k for k in shipped if k.rsplit("/", 1)[-1] == key
+               and (group is None or k.startswith(f"{group}/"))]
+    if len(matches) == 1:
+        return shipped[matches[0]]
+    if matches:
+        raise UnknownConfigError(f"{name}: several shipped configs have this name "
+                                 f"({', '.join(matches)}); give one of them")
+    raise UnknownConfigError(f"{name}: no such file, and no shipped config of that name "
+                             "(`captioning configs` lists them)")
+
+
+def resolve_config_args(args: Sequence[str]) -> list[str]:
+    """`args` with every config-file flag's value (`--config paper_soft`, `--model=demo_soft`)
+    turned into the path of the file it names."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if flag not in CONFIG_FLAGS:
+            continue
+        group = None if flag == "--config" else flag[2:]
+        if eq:
+            if value and not value.lstrip().startswith("{"):
+                out[i] = f"{flag}={find_config(value, group)}"
+        elif i + 1 < len(out) and not out[i + 1].startswith("-") \
+                and not out[i + 1].lstrip().startswith("{") and _looks_like_file(out[i + 1]):
+            out[i + 1] = str(find_config(out[i + 1], group))
+    return out
+
+
+def _looks_like_file(value: str) -> bool:
+    """A flag value that names a file rather than a class (`--model CaptioningModule`) or
+    inline YAML."""
+    return ":" not in value and (value.endswith((".yaml", ".yml")) or "/" in value
+                                 or not value[:1].isupper())
+
+
+def describe(path: Path) -> str:
+    """A config's first comment line."""
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+        if line.strip():
+            break
+    return ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="captioning configs",
+        description="List the configs shipped with the package; pass one to --config by name.")
+    p.add_argument("--paths", action="store_true", help="print each config's file path")
+    try:
+        a = p.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code) if isinstance(e.code, int) else 2
+    shipped = shipped_configs()
+    width = max(map(len, shipped), default=0)
+    for name, path in shipped.items():
+        sys.stdout.write(f"{name:<{width}}  {path if a.paths else describe(path)}\n")
+    sys.stdout.write("\nUse: captioning fit --config trainer/cpu --config data/shapes "
+                     "--config model/demo_soft\n")
+    return 0

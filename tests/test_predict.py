@@ -1,0 +1,257 @@
+"""`captioning predict`: Trainer.predict over folders, globs and list files into one results
+JSON, on one process and on 2 gloo CPU processes (DDP), with the same captions as `caption`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_checkpoint import Trained, trained_model
+
+from captioning.callbacks import CaptionWriter
+from captioning.commands import caption
+from captioning.commands.predict import expand_predict_inputs, is_list_file, main
+from captioning.data.predict import predict_loader
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ("--accelerator", "cpu", "--num-workers", "0")
+
+
+@pytest.fixture(scope="module")
+def trained(shapes_dm_kwargs: dict[str, Any],
+            tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    return trained_model(shapes_dm_kwargs, tmp_path_factory)
+
+
+def predict(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, list[str]]:
+    """main(args) -> (status, stderr `error:` lines)."""
+    rc = main([str(a) for a in args])
+    _, err = capsys.readouterr()
+    return rc, [ln for ln in err.splitlines() if ln.startswith("error:")]
+
+
+def captions_by_caption(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                        paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """`captioning caption --json` on `paths`: {path: record}."""
+    rc = caption.main(["--checkpoint", str(checkpoint), "--json", "--device", "cpu",
+                       *map(str, paths)])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    return {r["path"]: r for r in map(json.loads, out.splitlines())}
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    records = json.loads(path.read_text())
+    assert isinstance(records, list)
+    return records
+
+
+@pytest.fixture
+def inputs(trained: Trained, tmp_path: Path) -> dict[str, Any]:
+    """A folder (2 images), a glob's folder (2), and a list file in lists/ naming 2 by relative
+    paths and 1 by an absolute one (with a comment and a blank line)."""
+    imgs = trained.images
+    folder, globbed, lists = tmp_path / "folder", tmp_path / "globbed", tmp_path / "lists"
+    for d in (folder, globbed, lists / "rel"):
+        d.mkdir(parents=True)
+    shutil.copy(imgs[0], folder / "a.png")
+    shutil.copy(imgs[1], folder / "b.png")
+    shutil.copy(imgs[2], globbed / "c.png")
+    shutil.copy(imgs[3], globbed / "d.png")
+    shutil.copy(imgs[4], lists / "rel" / "e.png")
+    shutil.copy(imgs[5], lists / "f.png")
+    (lists / "images.txt").write_text(f"# images\nrel/e.png\n\n  f.png  \n{imgs[6]}\n")
+    want = [folder / "a.png", folder / "b.png", globbed / "c.png", globbed / "d.png",
+            lists / "rel" / "e.png", lists / "f.png", imgs[6]]
+    return {"args": [folder, str(globbed / "*.png"), lists / "images.txt"], "want": want}
+
+
+# -- one process ----------------------------------------------------------------------------------
+def test_folder_glob_and_list_file_captioned_like_caption(trained: Trained, inputs: dict[str, Any],
+                                                          tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out" / "captions.json"
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, *inputs["args"], "--out", out,
+                      "--batch-size", 3, *FAST)
+    assert rc == 0 and err == []
+    records = read_results(out)
+    assert [r["file_name"] for r in records] == [str(p) for p in inputs["want"]]
+    assert set(records[0]) == {"file_name", "caption", "score"}
+    want = captions_by_caption(capsys, trained.checkpoint, inputs["want"])
+    for r in records:
+        assert r["caption"] == want[r["file_name"]]["caption"]
+        assert r["score"] == pytest.approx(want[r["file_name"]]["score"], abs=1e-4)
+    assert all(r["caption"] for r in records)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["captions.json"]  # no shards left
+
+
+def test_beam_and_length_overrides(trained: Trained, tmp_path: Path, capsys) -> None:
+    paths = trained.images[:3]
+    out = tmp_path / "c.json"
+    rc, _ = predict(capsys, "--checkpoint", trained.checkpoint, *paths, "--out", out,
+                    "--beam-size", 1, "--max-len", 4, *FAST)
+    assert rc == 0
+    rc = caption.main(["--checkpoint", str(trained.checkpoint), "--beam-size", "1",
+                       "--max-len", "4", *map(str, paths)])
+    lines = capsys.readouterr()[0].splitlines()
+    assert [r["caption"] for r in read_results(out)] == [ln.split("\t")[1] for ln in lines]
+    assert all(len(r["caption"].split()) <= 4 for r in read_results(out))
+
+
+def test_bad_images_reported_and_skipped(trained: Trained, tmp_path: Path, capsys) -> None:
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    missing = tmp_path / "missing.jpg"
+    good = trained.images[:3]
+    out = tmp_path / "c.json"
+    # batch size 2: the second batch (corrupt, missing) has no image left
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, good[0], good[1], corrupt,
+                      missing, good[2], "--out", out, "--batch-size", 2, *FAST)
+    assert rc == 1
+    assert [r["file_name"] for r in read_results(out)] == [str(p) for p in good]
+    assert len(err) == 2, err
+    assert err[0].startswith(f"error: {corrupt}: ")
+    assert err[1] == f"error: {missing}: file does not exist"
+
+
+def test_alphas_match_caption_length_and_grid(trained: Trained, tmp_path: Path, capsys) -> None:
+    paths = trained.images[:4]
+    out = tmp_path / "c.json"
+    rc, _ = predict(capsys, "--checkpoint", trained.checkpoint, *paths, "--out", out,
+                    "--alphas", "--batch-size", 3, *FAST)
+    assert rc == 0
+    gh, gw = trained.module.captioner.grid
+    records = read_results(out)
+    assert sorted(p.name for p in (tmp_path / "c_alphas").iterdir()) == sorted(
+        p.with_suffix(".npz").name for p in paths)
+    for r in records:
+        with np.load(r["alphas"]) as z:
+            alphas, words = z["alphas"], list(z["words"])
+        assert alphas.shape == (len(words), gh, gw) and alphas.dtype == np.float32
+        assert len(words) >= len(r["caption"].split()) >= 1  # words keep specials like <unk>
+        assert [w for w in words if not w.startswith("<")] == r["caption"].split()
+        np.testing.assert_allclose(alphas.sum(axis=(1, 2)), 1.0, atol=1e-4)  # soft attention
+
+
+def test_overlays_are_readable_pngs(trained: Trained, tmp_path: Path, capsys) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    shutil.copy(trained.images[0], a / "x.png")
+    shutil.copy(trained.images[1], b / "x.png")
+    out, ov = tmp_path / "c.json", tmp_path / "ov"
+    rc, _ = predict(capsys, "--checkpoint", trained.checkpoint, a / "x.png", b / "x.png",
+                    "--out", out, "--overlays", ov, *FAST)
+    assert rc == 0
+    records = read_results(out)
+    assert sorted(p.name for p in ov.iterdir()) == ["x-2.png", "x.png"]  # caption's names
+    assert [Path(r["overlay"]).name for r in records] == ["x.png", "x-2.png"]
+    for r in records:
+        strip = np.asarray(Image.open(r["overlay"]))
+        n = len(r["caption"].split())
+        assert strip.shape[0] == 64 + 14 and strip.shape[1] >= 64 * (n + 1)
+        assert strip[:64].std() > 1
+
+
+def test_usage_errors(trained: Trained, tmp_path: Path, capsys) -> None:
+    img, out = trained.images[0], tmp_path / "c.json"
+    rc, err = predict(capsys, "--checkpoint", tmp_path / "none.ckpt", img, "--out", out)
+    assert rc == 2 and len(err) == 1 and "does not exist" in err[0]
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, "--out", out)
+    assert rc == 2 and "no inputs" in err[0]
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, tmp_path / "none.txt",
+                      "--out", out)
+    assert rc == 2 and err == [f"error: {tmp_path / 'none.txt'}: list file does not exist",
+                               "error: no images to caption"]
+    for bad in (("--devices", "two"), ("--batch-size", "0"), ("--num-workers", "-1"),
+                ("--out", tmp_path)):
+        rc, err = predict(capsys, "--checkpoint", trained.checkpoint, img, "--out", out, *bad)
+        assert rc == 2 and len(err) == 1, (bad, err)
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, img, "--out", out,
+                      "--precision", "17-odd", *FAST)
+    assert rc == 2 and "trainer" in err[0]
+    # in-process DDP would re-run pytest's command line once per rank: refused
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, img, "--out", out,
+                      "--devices", "2", "--strategy", "ddp", *FAST)
+    assert rc == 2 and "shell" in err[0]
+    assert main(["--help"]) == 0
+    capsys.readouterr()
+    assert not out.exists()
+
+
+def test_list_files_are_recognised(tmp_path: Path) -> None:
+    assert is_list_file("@names") and is_list_file("x.TXT") and is_list_file("a/b.lst")
+    assert not is_list_file("x.png") and not is_list_file("folder")
+    (tmp_path / "x.png").write_bytes(b"")
+    (tmp_path / "names").write_text("x.png\nx.png\n")
+    (tmp_path / "empty.lst").write_text("# nothing\n")
+    got = expand_predict_inputs([f"@{tmp_path / 'names'}", str(tmp_path / "empty.lst"),
+                                 str(tmp_path / "x.png")])
+    assert got.paths == [tmp_path / "x.png"]  # each path once
+    assert got.problems == [f"{tmp_path / 'empty.lst'}: list file names no images"]
+
+
+def test_short_lists_give_every_rank_an_item(tmp_path: Path, write_png) -> None:
+    good = write_png(tmp_path / "a.png", size=(64, 64))
+    bad = tmp_path / "bad.png"
+    bad.write_text("not an image")
+    batches = list(predict_loader([good, bad], 64, batch_size=1, world_size=4))
+    assert [b.indices for b in batches] == [[0], [], [0], []]  # items 2, 3 repeat 0, 1
+    assert [[i for i, *_ in b.failures] for b in batches] == [[], [1], [], []]  # reported once
+    assert batches[1].images.shape == (0, 3, 64, 64)
+
+
+def test_merge_keeps_each_input_once_in_order(tmp_path: Path) -> None:
+    writer = CaptionWriter(tmp_path / "c.json")
+
+    def rec(i: int, name: str) -> dict[str, Any]:
+        return {"index": i, "file_name": f"{name}.png", "caption": name, "score": 0.0}
+
+    failed = {"index": 3, "file_name": "d.png", "error": "d.png: not an image"}
+    shards = [[rec(2, "c"), rec(0, "a"), failed], [rec(1, "b"), rec(2, "c"), failed]]
+    for rank, lines in enumerate(shards):  # a padding sampler repeats inputs across ranks
+        writer.shard_path(rank).write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    assert writer.merge(2) == {"captioned": 3, "failed": 1}
+    assert [r["caption"] for r in read_results(tmp_path / "c.json")] == ["a", "b", "c"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
+
+
+# -- DDP: 2 gloo CPU processes --------------------------------------------------------------------
+def test_ddp_two_processes_merge_every_image_once(trained: Trained, tmp_path: Path,
+                                                  capsys) -> None:
+    images = tmp_path / "images"
+    images.mkdir()
+    for p in trained.images[:6]:
+        shutil.copy(p, images / p.name)
+    (images / "zz_bad.png").write_text("not an image")  # 7 inputs: odd, one fails
+    out = tmp_path / "ddp" / "captions.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for k in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "captioning.cli", "predict", "--checkpoint",
+         str(trained.checkpoint), str(images), "--out", str(out), "--batch-size", "2",
+         "--devices", "2", "--strategy", "ddp", *FAST],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    bad = images / "zz_bad.png"
+    assert len(errors) == 1 and errors[0].startswith(f"error: {bad}: not an image"), errors
+    assert "Starting with 2 processes" in proc.stderr  # two ranks, each with its shard
+    assert "captioned 6 image(s)" in proc.stderr and "1 failed" in proc.stderr
+    records = read_results(out)
+    good = sorted(images.glob("test_*.png"))
+    assert [r["file_name"] for r in records] == [str(p) for p in good]  # once each, in order
+    assert sorted(p.name for p in out.parent.iterdir()) == ["captions.json"]  # shards removed
+    single = tmp_path / "single.json"
+    rc, _ = predict(capsys, "--checkpoint", trained.checkpoint, *good, "--out", single, *FAST)
+    assert rc == 0
+    want = read_results(single)
+    assert [r["caption"] for r in records] == [r["caption"] for r in want]
+    assert [r["score"] for r in records] == pytest.approx([r["score"] for r in want], abs=1e-4)
