@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Pretrained backbone weights live inside the project (torchvision reads $TORCH_HOME/hub/checkpoints).
 export TORCH_HOME ?= $(CURDIR)/.cache/torch
 
-.PHONY: install test test-all lint demo demo-hard benchmark check-installed clean
+.PHONY: install test test-all lint demo demo-hard demo-scst benchmark check-installed clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,18 @@ demo: install
 demo-hard: install
 	WANDB_MODE=offline $(BIN)/captioning demo --attention hard
 
+# Cross-entropy, then self-critical sequence training for at most as long; both stages' test figures.
+demo-scst: install
+	WANDB_MODE=offline $(BIN)/captioning demo --scst
+
 benchmark: install
 	$(BIN)/python scripts/benchmark.py
+
+# On a CUDA machine: the GPU tests and the speed figures in one table (tiny sizes on the CPU
+# when there is no GPU). See docs/benchmarks.md.
+.PHONY: gpu-check
+gpu-check: install
+	$(BIN)/python scripts/gpu_check.py
 
 # The wheel in a fresh venv, used from outside the checkout (demo, export, caption, predict).
 check-installed: install

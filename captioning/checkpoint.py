@@ -47,6 +47,10 @@ STATE_PREFIX = "captioner."
 INFERENCE_FORMAT = "captioning-inference"
 #: `ckpt_path` values Lightning resolves itself (not file paths).
 SPECIAL_CKPT_PATHS = frozenset({"last", "best", "hpc", "registry"})
+#: Keys of every Lightning checkpoint, and those that resuming `fit` also needs.
+LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
+RESUME_KEYS = ("optimizer_states", "loops")
+CHECKPOINT_SUFFIX = ".ckpt"
 
 #: Older flat decoding hyperparameters -> fields of `DecodeConfig` (hyper_parameters["decode"]).
 LEGACY_DECODE_KEYS = {"eval_strategy": "strategy", "beam_size": "beam_size",
@@ -148,14 +152,70 @@ def _config(path: Path, data: dict[str, Any]) -> CaptionerConfig:
         raise CheckpointError(f"{path}: invalid model config: {e}") from None
 
 
-def check_checkpoint_file(ckpt_path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
-    """Refuse a missing checkpoint, or one whose pickle would run code, before Lightning opens
-    it; returns its contents with the tensors left on disk (`mmap`), or None for Lightning's
-    special values ("last", "best", ...) and URLs, which are left to Lightning."""
+def check_checkpoint_file(ckpt_path: str | os.PathLike[str] | None, *, resume: bool = False
+                          ) -> dict[str, Any] | None:
+    """Refuse, before Lightning opens it, a checkpoint that is missing, unreadable (truncated),
+    unsafe (its pickle would run code) or not a Lightning training checkpoint (`resume`: one
+    with the training state `fit` restores); returns its contents with the tensors left on
+    disk (`mmap`), or None for Lightning's special values ("last", "best", ...) and URLs.
+
+    The error names the file and what is wrong with it, and the newest good checkpoint in the
+    same folder when there is one (it is named, never used in its place)."""
     text = "" if ckpt_path is None else str(ckpt_path)
     if not text or text in SPECIAL_CKPT_PATHS or "://" in text or text.startswith("registry:"):
         return None
-    return read_checkpoint(Path(text), "cpu", mmap=True)
+    path = Path(text)
+    try:
+        data = read_checkpoint(path, "cpu", mmap=True)
+        check_trainer_checkpoint(path, data, resume=resume)
+    except CheckpointNotFoundError:
+        raise
+    except CheckpointError as e:
+        older = older_good_checkpoint(path, resume=resume)
+        if older is None:
+            raise
+        raise CheckpointError(f"{e}; an older good checkpoint exists: {older[0]} "
+                              f"({checkpoint_summary(older[1])}); pass `--ckpt_path "
+                              f"{older[0]}` to use it") from None
+    return data
+
+
+def check_trainer_checkpoint(path: Path, data: Mapping[str, Any], *, resume: bool) -> None:
+    """Refuse what Lightning cannot restore: a plain `torch.save({...})` dict, the project's
+    inference checkpoint, or (`resume`) a weights-only checkpoint."""
+    if data.get("format") == INFERENCE_FORMAT:
+        raise CheckpointError(
+            f"{path}: is an inference checkpoint (weights, vocabulary and config), not a "
+            "Lightning training checkpoint; use it with `captioning caption` or `captioning "
+            "predict`, or give --ckpt_path the training checkpoint it came from")
+    missing = [k for k in LIGHTNING_KEYS if k not in data]
+    if missing:
+        raise CheckpointError(f"{path}: is not a Lightning training checkpoint (it has no "
+                              f"{' or '.join(map(repr, missing))})")
+    missing = [k for k in RESUME_KEYS if resume and k not in data]
+    if missing:
+        raise CheckpointError(f"{path}: holds no training state to resume (no "
+                              f"{' or '.join(map(repr, missing))}: saved with weights only?); "
+                              "validate or test it, or resume from a full checkpoint")
+
+
+def checkpoint_summary(data: Mapping[str, Any]) -> str:
+    return f"epoch {data.get('epoch', '?')}, step {data.get('global_step', '?')}"
+
+
+def older_good_checkpoint(path: Path, *, resume: bool) -> tuple[Path, dict[str, Any]] | None:
+    """The newest other checkpoint (`*.ckpt`) in `path`'s folder that passes the checks."""
+    if not path.parent.is_dir():
+        return None
+    others = [p for p in path.parent.glob(f"*{CHECKPOINT_SUFFIX}") if p.is_file() and p != path]
+    for other in sorted(others, key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            data = read_checkpoint(other, "cpu", mmap=True)
+            check_trainer_checkpoint(other, data, resume=resume)
+        except CheckpointError:
+            continue
+        return other, data
+    return None
 
 
 def upgrade_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:

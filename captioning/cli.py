@@ -24,12 +24,15 @@ import warnings
 from collections.abc import Sequence
 
 from captioning.commands.errors import exit_status
+from captioning.locks import sigterm_raises
 
 #: Commands other than LightningCLI's, by the module under `captioning.commands` that runs them.
 COMMANDS = {"caption": "caption", "demo": "demo", "shapes": "shapes",
             "cache-features": "cache_features", "predict": "predict", "export": "export",
-            "configs": "configs"}
+            "configs": "configs", "ablate": "ablate"}
 NO_WANDB = frozenset({"caption", "shapes", "export", "configs"})
+#: Commands that train through Lightning, which handles SIGTERM itself (`CheckpointOnInterrupt`).
+LIGHTNING_RUNS = frozenset({"demo", "ablate"})
 #: Library messages about the project's own wiring, not the user's run: Lightning's
 #: advertisements and its note that the module's own callbacks (the Gumbel τ schedule) replace
 #: those of an earlier fit in the same process, the frozen encoder being in eval mode (on
@@ -87,6 +90,7 @@ Commands:
   cache-features  build the frozen encoder's feature cache ahead of time
   shapes          write the synthetic shapes dataset
   configs         list the configs shipped with the package (give --config one by name)
+  ablate          train and test every variant × seed of an ablation grid: CSV, table, plot
 """
 
 
@@ -97,7 +101,10 @@ def _dispatch(argv: list[str], from_shell: bool) -> int:
         return 0 if command else 2
     if command in COMMANDS:
         module = importlib.import_module(f"captioning.commands.{COMMANDS[command]}")
-        return int(module.main(argv[1:]))
+        if command in LIGHTNING_RUNS:  # Lightning's own SIGTERM handling (a checkpoint first)
+            return int(module.main(argv[1:]))
+        with sigterm_raises():  # SIGTERM like Ctrl-C: clean-up runs, one line, exit 143
+            return int(module.main(argv[1:]))
     from captioning.commands.lightning import lightning_cli
 
     lightning_cli(None if from_shell else argv)

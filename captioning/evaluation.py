@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from captioning.atomic import write_json_atomic
+from captioning.locks import sigterm_raises
 from captioning.models.decoding import Generation
 from captioning.vocab import Vocabulary
 
@@ -89,8 +90,9 @@ def compute_metrics(results: EvalResults, *, grid: tuple[int, int],
     from captioning.metrics import coco_scores, objects_correct
     from captioning.pointing import pointing_accuracy
 
-    metrics = coco_scores(results.references, results.hypotheses,
-                          per_image_cider=results.cider)
+    with sigterm_raises():  # scoring runs Java for a while: SIGTERM stops it, not after it
+        metrics = coco_scores(results.references, results.hypotheses,
+                              per_image_cider=results.cider)
     if grounding is None:
         return metrics
     ids = [i for i in results.hypotheses if i in grounding]

@@ -25,6 +25,7 @@ from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.decoding import Generation
 from captioning.models.encoder import fingerprint
 from captioning.objectives import build_objective
+from captioning.scst import ScstConfig
 from captioning.vocab import Vocabulary
 
 
@@ -32,7 +33,8 @@ class CaptioningModule(L.LightningModule):
     """Trains a Show, Attend and Tell captioner with soft or hard attention.
 
     `advantage` names the hard-attention REINFORCE estimator (`captioning.objectives.ESTIMATORS`),
-    `reward` its reward: `sum` over the caption's words (the paper) or `mean` (capgen.py)."""
+    `reward` its reward: `sum` over the caption's words (the paper) or `mean` (capgen.py).
+    `objective: scst`: SCST fine-tuning (`scst`), from `init_from`'s weights (the CLI loads them)."""
 
     def __init__(
         self,
@@ -51,6 +53,9 @@ class CaptioningModule(L.LightningModule):
         baseline_momentum: float = 0.9,
         advantage: str = "sequence",
         reward: Literal["sum", "mean"] = "sum",
+        objective: Literal["cross_entropy", "scst"] = "cross_entropy",
+        scst: ScstConfig = ScstConfig(),  # noqa: B008 (a frozen dataclass)
+        init_from: str | None = None,
         compute_metrics: bool = True,
         results_dir: str | None = None,
         compile: bool = False,
@@ -58,18 +63,16 @@ class CaptioningModule(L.LightningModule):
         super().__init__()
         net = CaptionerConfig.from_dict(net) if isinstance(net, dict) else net  # ckpt hparams
         decode = DecodeConfig.from_dict(decode) if isinstance(decode, dict) else decode
+        scst = ScstConfig.from_dict(scst) if isinstance(scst, dict) else scst
         if vocab_size:
             net = replace(net, vocab_size=vocab_size)
-        self.save_hyperparameters(ignore=["net", "decode"])
-        self.hparams["net"] = net.to_dict()
-        self.hparams["decode"] = decode.to_dict()
+        self.save_hyperparameters(ignore=["net", "decode", "scst"])
+        self.hparams.update(net=net.to_dict(), decode=decode.to_dict(), scst=scst.to_dict())
         self.decode = decode
         self.captioner = Captioner(net)
-        self.objective = build_objective(
-            attention=net.attention, hard_estimator=net.hard_estimator, advantage=advantage,
-            reward=reward, vocab_size=net.vocab_size, doubly_stochastic=doubly_stochastic,
-            reward_scale=reward_scale, entropy_weight=entropy_weight,
-            baseline_momentum=baseline_momentum)
+        self.objective = build_objective(**{  # each objective takes its settings from these
+            **self.hparams, "attention": net.attention, "hard_estimator": net.hard_estimator,
+            "vocab_size": net.vocab_size, "scst": scst, "forbid_unk": decode.forbid_unk})
         self.vocab: Vocabulary | None = None
         self.val_results = EvalResults()
         self.test_results = EvalResults()
@@ -85,12 +88,12 @@ class CaptioningModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         vocab = getattr(dm, "vocab", None)
-        if vocab is not None:
-            if len(vocab) != self.net_config.vocab_size:
-                raise ValueError(
-                    f"vocabulary has {len(vocab)} words but the model was built for "
-                    f"{self.net_config.vocab_size}; rebuild the model or use the matching vocab")
-            self.vocab = vocab
+        if vocab is not None and len(vocab) != self.net_config.vocab_size:
+            raise ValueError(
+                f"vocabulary has {len(vocab)} words but the model was built for "
+                f"{self.net_config.vocab_size}; rebuild the model or use the matching vocab")
+        self.vocab = self.vocab if vocab is None else vocab
+        self.objective.attach(dm)  # SCST's reward reads the training references
         if getattr(dm, "feature_cache", False) and not self.net_config.finetune_encoder:
             self._attach_feature_cache(dm)
         if self.hparams.compile and not self._compiled:
@@ -187,10 +190,8 @@ class CaptioningModule(L.LightningModule):
         images = getattr(batch, "images", None)
         if isinstance(images, Tensor) and images.is_floating_point():
             bad = (~torch.isfinite(images.flatten(1))).any(1).nonzero().flatten().tolist()
-            if bad:
-                ids = [batch.image_ids[i] for i in bad[:5]] if getattr(batch, "image_ids", None) \
-                    else bad[:5]
-                msg += f"; non-finite inputs for image(s) {ids}"
+            ids = getattr(batch, "image_ids", None) or range(len(images))
+            msg += f"; non-finite inputs for image(s) {[ids[i] for i in bad[:5]]}" if bad else ""
         return msg
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

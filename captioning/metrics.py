@@ -114,17 +114,34 @@ def _log_captured(name: str, text: str, level: int = logging.DEBUG) -> None:
 
 
 def _ptb_tokenize(captions: Mapping[Hashable, list[str]]) -> dict[Hashable, list[str]]:
-    """pycocoevalcap's PTBTokenizer; empty strings are kept as "" and never sent to Java."""
-    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+    """pycocoevalcap's PTBTokenizer (its jar, command and punctuation list), with its input file
+    in the temporary folder ($TMPDIR) instead of inside site-packages, removed whatever happens
+    (SIGTERM included); empty strings are kept as "" and never sent to Java."""
+    import subprocess
 
-    todo = {k: [{"caption": c} for c in caps if c.strip()] for k, caps in captions.items()}
-    todo = {k: v for k, v in todo.items() if v}
-    done = PTBTokenizer().tokenize(todo) if todo else {}
-    out: dict[Hashable, list[str]] = {}
+    from pycocoevalcap.tokenizer import ptbtokenizer as ptb
+
+    ids = [k for k, caps in captions.items() for c in caps if c.strip()]
+    lines = [c.replace("\n", " ") for caps in captions.values() for c in caps if c.strip()]
+    tokenized: list[str] = []
+    if lines:
+        jar = Path(ptb.__file__).resolve().parent / ptb.STANFORD_CORENLP_3_4_1_JAR
+        with tempfile.TemporaryDirectory(prefix="captioning-ptb-") as tmp:
+            text = Path(tmp) / "captions.txt"
+            text.write_text("\n".join(lines), encoding="utf-8")
+            out = subprocess.run(["java", "-cp", str(jar), "edu.stanford.nlp.process.PTBTokenizer",
+                                  "-preserveLines", "-lowerCase", str(text)],
+                                 capture_output=True, check=True).stdout.decode()
+        tokenized = [" ".join(w for w in ln.rstrip().split(" ") if w not in ptb.PUNCTUATIONS)
+                     for ln in out.split("\n")]
+    done: dict[Hashable, list[str]] = {}
+    for k, t in zip(ids, tokenized):
+        done.setdefault(k, []).append(t)
+    out_caps: dict[Hashable, list[str]] = {}
     for k, caps in captions.items():
         toks = iter(done.get(k, []))
-        out[k] = [next(toks) if c.strip() else "" for c in caps]
-    return out
+        out_caps[k] = [next(toks) if c.strip() else "" for c in caps]
+    return out_caps
 
 
 def _close_meteor(meteor: Any) -> None:

@@ -14,6 +14,8 @@ the objective, so they are saved in checkpoints and follow the module across dev
   per-word mean of the authors' capgen.py).
 * `GumbelStraightThrough`: hard attention trained with the straight-through Gumbel-softmax
   (`net.hard_estimator: gumbel`): the likelihood minus λ_e times the entropy; no REINFORCE.
+* `SelfCritical`: self-critical sequence training (Rennie et al. 2017, `objective: scst`), a
+  fine-tuning stage after one of the above: the CIDEr-D of sampled captions as the reward.
 
 Baselines move only in training mode, and under DDP from the statistics of every rank's batch
 (summed with `all_reduce_sum`), so that all ranks keep the same baselines.
@@ -40,8 +42,9 @@ from captioning.losses import (
     reinforce_loss,
     reward_to_go,
 )
-from captioning.models.captioner import Captioner
+from captioning.models.captioner import Captioner, DecodeConfig
 from captioning.models.decoder import DecoderOutput
+from captioning.scst import ScstConfig, ScstReward, first_of_each, mean_of_others, references_of
 
 RewardForm = Literal["sum", "mean"]
 
@@ -51,10 +54,14 @@ class Batch(Protocol):
 
     captions: Tensor  # (B, T) <start> w1 .. wn <end> <pad> ...
     lengths: Tensor  # (B,) tokens incl. <start> and <end>
+    image_ids: list  # (B,) the image of each caption (SCST: one row per image)
 
 
 class Objective(nn.Module):
     """Batch -> named loss parts; `loss` is optimised. Buffers hold the objective's state."""
+
+    def attach(self, datamodule: Any) -> None:
+        """Called by the module's `setup` with the trainer's data module (or None)."""
 
     def forward(self, captioner: Captioner, features: Tensor,
                 batch: Batch) -> dict[str, Tensor]:
@@ -236,6 +243,88 @@ class GumbelStraightThrough(MaximumLikelihood):
         return parts
 
 
+class SelfCritical(Objective):
+    """Self-critical sequence training (Rennie et al. 2017): k captions wˢ sampled per image,
+    loss −Σ (r(wˢ) − b) log p(wˢ), r the CIDEr-D of wˢ against the image's references.
+
+    A batch of (image, caption) pairs becomes one row per image (the first pair of each image
+    id). log p(wˢ) sums the log-probabilities of the drawn words, <end> included, padding
+    masked; the loss is their mean over the U·k sampled captions (per caption, not per word).
+    b: the greedy caption's reward (`baseline: greedy`, decoded in eval mode, no gradient) or
+    the mean reward of the image's other samples (`mean`). Samples use the decoder's decoding
+    rule (`hard_decode` for hard attention): no REINFORCE term on the attention, unless
+    `xe_weight` > 0 adds `cross_entropy` (the model's own objective) on the batch's captions.
+    Outside training mode the loss is `cross_entropy`'s (the val loss stays the likelihood).
+    The reward needs the training references: `attach` a data module (`records("train")` and
+    `vocab`); it is built on the first training step.
+    """
+
+    def __init__(self, *, cross_entropy: Objective, config: ScstConfig | None = None,
+                 forbid_unk: bool = False) -> None:
+        super().__init__()
+        self.cross_entropy = cross_entropy
+        self.config = config or ScstConfig()
+        self.forbid_unk = forbid_unk
+        self.reward: ScstReward | None = None
+        self._datamodule: Any = None
+
+    def attach(self, datamodule: Any) -> None:
+        self._datamodule = datamodule
+
+    def reward_model(self) -> ScstReward:
+        """The reward, built once from the attached data module's training references."""
+        if self.reward is None:
+            dm, cfg = self._datamodule, self.config
+            if dm is None:
+                raise RuntimeError("SCST needs the training references: attach a data module")
+            self.reward = ScstReward(references_of(dm.records("train")), dm.vocab,
+                                     kind=cfg.reward, bleu_weight=cfg.bleu_weight)
+        return self.reward
+
+    def forward(self, captioner: Captioner, features: Tensor,
+                batch: Batch) -> dict[str, Tensor]:
+        if not self.training:
+            return self.cross_entropy(captioner, features, batch)
+        cfg, reward = self.config, self.reward_model()
+        first, images = first_of_each(batch.image_ids)
+        feats = features[first]  # (U, L, D): one row per image
+        k = cfg.samples
+        gen = captioner.generate(feats, DecodeConfig(
+            strategy="sample", num_captions=k, temperature=cfg.temperature, max_len=cfg.max_len,
+            forbid_unk=self.forbid_unk), grad=True)  # (U·k, T), image-major
+        r = reward(gen.tokens, gen.lengths, [i for i in images for _ in range(k)])  # (U·k,)
+        if cfg.baseline == "mean":
+            b = mean_of_others(r.view(-1, k)).flatten()  # (U·k,)
+        else:
+            b = self.greedy_reward(captioner, feats, images).repeat_interleave(k)  # (U·k,)
+        T = gen.tokens.size(1)
+        mask = torch.arange(T, device=feats.device) < gen.lengths.unsqueeze(1)  # (U·k, T)
+        log_p = (gen.token_log_probs * mask).sum(dim=1)  # (U·k,) log p(wˢ)
+        advantage = (r - b).detach()
+        # ∇L ≈ −(r(wˢ) − b) ∇log p(wˢ): REINFORCE with a baseline, one term per sample (§4)
+        parts = {"loss": -(advantage * log_p).mean(),
+                 "scst_reward": r.mean(), "scst_baseline": b.mean(),
+                 "scst_beat_baseline": (r > b).float().mean(),
+                 "scst_sample_len": (gen.lengths - gen.finished.long()).float().mean()}
+        if cfg.xe_weight > 0:
+            xe = self.cross_entropy(captioner, features, batch)
+            parts["xe_loss"] = xe["loss"]
+            parts["loss"] = parts["loss"] + cfg.xe_weight * xe["loss"]
+        return parts
+
+    @torch.no_grad()
+    def greedy_reward(self, captioner: Captioner, features: Tensor, images: list) -> Tensor:
+        """(U,) r(ŵ) of the greedy captions, decoded in eval mode (no dropout)."""
+        decoder, was_training = captioner.decoder, captioner.decoder.training
+        decoder.eval()
+        try:
+            gen = captioner.generate(features, DecodeConfig(
+                strategy="greedy", max_len=self.config.max_len, forbid_unk=self.forbid_unk))
+        finally:
+            decoder.train(was_training)
+        return self.reward_model()(gen.tokens, gen.lengths, images)
+
+
 #: Objectives of the hard-attention estimators other than REINFORCE, by `net.hard_estimator`.
 HARD_ESTIMATORS: dict[str, type[Objective]] = {"gumbel": GumbelStraightThrough}
 
@@ -285,10 +374,14 @@ def expected_word_log_likelihoods(captioner: Captioner, features: Tensor, batch:
 
 
 def build_objective(*, attention: str, advantage: str = "sequence",
-                    hard_estimator: str = "reinforce", **settings: Any) -> Objective:
+                    hard_estimator: str = "reinforce", objective: str = "cross_entropy",
+                    scst: ScstConfig | None = None, **settings: Any) -> Objective:
     """The objective of a model: maximum likelihood for soft attention; for hard attention the
     `hard_estimator` (`HARD_ESTIMATORS`), or with `reinforce` the REINFORCE estimator named by
-    `advantage`. `settings` go to the constructor that takes them."""
+    `advantage`. `settings` go to the constructor that takes them. `objective: scst` wraps that
+    cross-entropy objective in `SelfCritical` with the `scst` settings."""
+    if objective not in ("cross_entropy", "scst"):
+        raise ValueError(f"objective must be 'cross_entropy' or 'scst', got {objective!r}")
     if attention == "soft":
         cls: type[Objective] = MaximumLikelihood
     elif hard_estimator in HARD_ESTIMATORS:
@@ -301,4 +394,8 @@ def build_objective(*, attention: str, advantage: str = "sequence",
     else:
         raise ValueError(f"advantage must be one of {sorted(ESTIMATORS)}, got {advantage!r}")
     accepted = inspect.signature(cls.__init__).parameters
-    return cls(**{k: v for k, v in settings.items() if k in accepted})
+    ce = cls(**{k: v for k, v in settings.items() if k in accepted})
+    if objective == "cross_entropy":
+        return ce
+    return SelfCritical(cross_entropy=ce, config=scst,
+                        forbid_unk=bool(settings.get("forbid_unk", False)))

@@ -352,12 +352,15 @@ def render_strips(
 
 
 def save_strip_png(strip: Tensor, path: str | Path) -> Path:
-    """Write one (H, W, 3) uint8 strip as PNG (parent folders are created)."""
+    """Write one (H, W, 3) uint8 strip as PNG, atomically (a killed write leaves no partial
+    PNG under the name); parent folders are created."""
     from PIL import Image
+
+    from captioning.atomic import write_atomic
 
     if strip.dim() != 3 or strip.shape[2] != 3 or strip.dtype != torch.uint8:
         raise ValueError(f"strip must be (H, W, 3) uint8, got {tuple(strip.shape)} {strip.dtype}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(strip.detach().cpu().contiguous().numpy()).save(path)
-    return path
+    image = Image.fromarray(strip.detach().cpu().contiguous().numpy())
+    return write_atomic(path, lambda tmp: image.save(tmp, format="PNG"))

@@ -3,6 +3,8 @@
     python scripts/benchmark.py                      # CPU: paper-size decoder, mobilenet_v2
     python scripts/benchmark.py --encoder vgg19      # CPU: paper-size decoder, the paper's CNN
     python scripts/benchmark.py --device cuda --precision bf16-mixed --paper
+    python scripts/benchmark.py --preset issue17       # CPU: issue 17's setting, with the roofline
+    python scripts/benchmark.py --roofline --profile   # + machine roofline, top ops of a profile
 
 Rows (each measured in fresh subprocesses, so that peak memory is per row; the training rows
 in `--rounds` interleaved rounds, so that a busy spell of a shared machine is spread over all
@@ -34,6 +36,16 @@ batch 64, and synthetic COCO-like captions (10k-word vocabulary) over the shapes
 `--tiny`: 64 px images and a 32-unit decoder, to check that every row runs. The model and
 data are built by `captioning fit`'s own parser from the project's configs.
 Everything is written to a temporary folder (or --workdir).
+
+`--roofline` adds, after the table: the machine's fp32 matmul rate (a `--matmul-size` square
+`torch.mm`, best of 5, with the benchmark's thread count); the FLOPs per training pair of
+cached soft training (forward, backward and optimiser, counted by
+`torch.utils.flop_counter.FlopCounterMode`, which counts matmul-class ops only, over the very
+batches that a timing round times: every round starts from the same seed); and the achieved
+GFLOP/s of the cached soft row (FLOPs per pair x its mean pairs/s), with its share of the
+matmul rate. `--profile` runs `torch.profiler` over `--profile-steps` cached soft training steps
+and prints the top ops by self CPU time. `--preset NAME` sets a named setting (`PRESETS`); flags
+given on the command line win.
 """
 
 from __future__ import annotations
@@ -64,14 +76,16 @@ COCO_CAPTIONS = 616_767
 
 
 def make_coco_karpathy(path: Path, *, splits: dict[str, int] | None = None,
-                       captions: int = COCO_CAPTIONS, filenames: list[str] | None = None,
+                       captions: int = COCO_CAPTIONS,
+                       filenames: list[str] | dict[str, list[str]] | None = None,
                        filepath: str = "", seed: int = 0) -> Path:
     """Write a Karpathy split file shaped like dataset_coco.json.
 
     Captions are 5 per image (a few get 6 or 7, up to `captions`), 8 to 25 words (mean ~10.5,
     like COCO), drawn from a Zipf-distributed 30k-word vocabulary (about 10k words occur 5
-    times or more). `filenames` cycles through existing images; default: names that need not
-    exist.
+    times or more). `filenames` cycles through existing images: one list for every image, or
+    one list per split (an image file may be in one split only); default: names that need
+    not exist.
     """
     import numpy as np
 
@@ -89,6 +103,7 @@ def make_coco_karpathy(path: Path, *, splits: dict[str, int] | None = None,
     flat = rng.choice(len(ranks), size=int(lengths.sum()), p=p / p.sum())
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     split_of = np.repeat(list(splits), list(splits.values()))
+    start = dict(zip(splits, np.cumsum([0, *splits.values()])))  # first image of each split
     images, sent, cap = [], 0, 0
     for i in range(n_images):
         sentences = []
@@ -98,10 +113,14 @@ def make_coco_karpathy(path: Path, *, splits: dict[str, int] | None = None,
                               "imgid": i, "sentid": sent})
             sent += 1
             cap += 1
-        name = filenames[i % len(filenames)] if filenames else \
-            f"COCO_{split_of[i]}2014_{i:012d}.jpg"
+        split = str(split_of[i])
+        if isinstance(filenames, dict):  # cycled within the split
+            name = filenames[split][(i - start[split]) % len(filenames[split])]
+        else:
+            name = filenames[i % len(filenames)] if filenames else \
+                f"COCO_{split}2014_{i:012d}.jpg"
         images.append({"filepath": filepath, "sentids": [s["sentid"] for s in sentences],
-                       "filename": name, "imgid": i, "split": str(split_of[i]),
+                       "filename": name, "imgid": i, "split": split,
                        "sentences": sentences, "cocoid": i + 1})
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
@@ -133,7 +152,7 @@ def _peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _build(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
+def build_run(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
     """(CaptioningModule, CaptionDataModule) through `captioning fit`'s own parser, from the
     project's configs (paper_soft.yaml with --paper, else demo_soft.yaml at benchmark sizes)."""
     from captioning.commands.configs import CONFIG_DIR
@@ -148,15 +167,16 @@ def _build(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
     net: dict[str, Any] = {"weights": None, "attention": spec["attention"],
                            "channels_last": spec["channels_last"]}
     if not spec["paper"]:
-        net.update(backbone=spec["encoder"], grid_size=None, embed_dim=dims, hidden_dim=dims,
-                   attn_dim=dims, dropout=0.5)
+        net.update(backbone=spec["encoder"], grid_size=spec.get("grid_size"), embed_dim=dims,
+                   hidden_dim=dims, attn_dim=dims, dropout=0.5)
     data: dict[str, Any] = {
         "image_size": spec["image_size"], "batch_size": spec["batch_size"],
         "eval_batch_size": spec["batch_size"], "num_workers": spec["num_workers"],
         "pin_memory": spec["device"].startswith("cuda"),
         "persistent_workers": spec["num_workers"] > 0,
         "length_bucketing": spec.get("bucketing", True), "feature_cache": cached,
-        "cache_dir": spec["cache_dir"], "validate_images": False, "vocab_path": None}
+        "cache_dir": spec["cache_dir"], "validate_images": False, "vocab_path": None,
+        "cache_verify": spec.get("cache_verify", "full")}
     if karpathy:
         data.update({"source.split_file": spec["split_file"],
                      "source.image_root": spec["image_root"]})
@@ -174,7 +194,7 @@ def _build(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
     return cli.model, cli.datamodule
 
 
-def _attach_cache(module: Any, dm: Any, device: str) -> None:
+def attach_cache(module: Any, dm: Any, device: str) -> None:
     """The feature cache, through `fit`'s one attach path."""
     from captioning.data.features import attach_feature_cache
 
@@ -183,30 +203,65 @@ def _attach_cache(module: Any, dm: Any, device: str) -> None:
 
 
 def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train `warmup + steps` steps through Lightning; time the last `steps`."""
+    """Train `warmup + steps` steps through Lightning; time the last `steps`. Optional spec
+    keys: `devices` (> 1: DDP), `sample_gpu` (mean GPU utilisation over the timed steps),
+    `count_flops` (FLOPs of the timed steps), `profile` (top ops of the timed steps)."""
     import lightning.pytorch as L
     import torch
 
     L.seed_everything(0, verbose=False)
     device = spec["device"]
     cuda = device.startswith("cuda")
-    module, dm = _build(spec, cached=spec["cached"])
+    module, dm = build_run(spec, cached=spec["cached"])
     notes: list[str] = []
     if spec["cached"]:  # build (or find) the cache before timing anything
         t0 = time.perf_counter()
-        _attach_cache(module, dm, device)
+        attach_cache(module, dm, device)
         n = len(dm.cache_features(["train", "val"])["train"])
         notes.append(f"cache of {n} train images: {time.perf_counter() - t0:.0f} s")
+    timer = _step_timer(spec)
+    probes = ([_flop_counter(spec["warmup"])] if spec.get("count_flops") else []) + \
+        ([_profiler(spec)] if spec.get("profile") else [])
+    devices = int(spec.get("devices", 1))
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=devices,
+                        strategy="ddp" if devices > 1 else "auto", precision=spec["precision"],
+                        max_steps=spec["warmup"] + spec["steps"], limit_val_batches=0,
+                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[timer, *probes], default_root_dir=spec["workdir"],
+                        gradient_clip_val=5.0)
+    trainer.fit(module, datamodule=dm)
+    if spec["compile"]:
+        notes.append(f"{spec['warmup']} warm-up steps incl. compiling: {timer.first_steps:.0f} s")
+    if spec.get("save_weights"):
+        torch.save(module.state_dict(), spec["save_weights"])
+    out = {"steps": timer.steps, "waits": timer.waits, "sizes": timer.sizes,
+           "rows": timer.rows, "real": timer.real, "peak_mb": _peak_memory_mb(device),
+           "notes": "; ".join(notes), "vocab": dm.vocab_size, "gpu_util": timer.utilisation,
+           "world_size": trainer.world_size}
+    for probe in probes:
+        out.update(probe.result())
+    return out
+
+
+def _step_timer(spec: dict[str, Any]) -> Any:
+    """A callback timing each step after `spec["warmup"]` (batch start to end: forward,
+    backward, optimiser) and the wait before it; with `sample_gpu`, also sampling the GPU's
+    utilisation over the timed steps."""
+    import lightning.pytorch as L
+    import torch
+
+    cuda = spec["device"].startswith("cuda")
 
     class StepTimer(L.Callback):
-        """Per timed step: compute time (batch start to end) and the wait before it."""
-
         def __init__(self) -> None:
             self.i, self.last_end, self.t_start, self.first_steps = 0, 0.0, 0.0, 0.0
             self.steps: list[float] = []
             self.waits: list[float] = []
             self.sizes: list[int] = []
             self.rows = self.real = 0
+            self.sampler = GpuUtilisation() if cuda and spec.get("sample_gpu") else None
+            self.utilisation: float | None = None
 
         def _now(self) -> float:
             if cuda:
@@ -220,6 +275,8 @@ def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
                 self.waits.append(self.t_start - self.last_end)
             if self.i == spec["warmup"] and cuda:
                 torch.cuda.reset_peak_memory_stats()
+                if self.sampler:
+                    self.sampler.start()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
@@ -234,22 +291,176 @@ def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
                 self.sizes.append(len(steps))
             self.i += 1
 
-    timer = StepTimer()
-    precision = spec["precision"]
-    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision=precision,
-                        max_steps=spec["warmup"] + spec["steps"], limit_val_batches=0,
-                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[timer], default_root_dir=spec["workdir"],
-                        gradient_clip_val=5.0)
-    trainer.fit(module, datamodule=dm)
-    if spec["compile"]:
-        notes.append(f"{spec['warmup']} warm-up steps incl. compiling: {timer.first_steps:.0f} s")
-    if spec.get("save_weights"):
-        torch.save(module.state_dict(), spec["save_weights"])
-    return {"steps": timer.steps, "waits": timer.waits, "sizes": timer.sizes,
-            "rows": timer.rows, "real": timer.real, "peak_mb": _peak_memory_mb(device),
-            "notes": "; ".join(notes), "vocab": dm.vocab_size}
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if self.sampler:
+                self.utilisation = self.sampler.stop()
+
+    return StepTimer()
+
+
+class GpuUtilisation:
+    """Mean utilisation (%) of the current GPU between `start` and `stop`, sampled by a thread
+    every `interval` s: `torch.cuda.utilization()` (needs pynvml), else `nvidia-smi`."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.interval = interval
+        self.samples: list[float] = []
+        self._stop: Any = None
+        self._thread: Any = None
+
+    def read(self) -> float | None:
+        import torch
+
+        try:
+            return float(torch.cuda.utilization())
+        except Exception:  # no pynvml, or NVML refuses: ask nvidia-smi
+            pass
+        try:
+            uuid = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+            out = subprocess.run(["nvidia-smi", f"--id={uuid}", "--query-gpu=utilization.gpu",
+                                  "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=5)
+            return float(out.stdout.strip().splitlines()[0])
+        except (OSError, ValueError, IndexError, AttributeError, subprocess.SubprocessError):
+            return None
+
+    def start(self) -> None:
+        import threading
+
+        self._stop = threading.Event()
+
+        def run() -> None:
+            while not self._stop.wait(self.interval):
+                value = self.read()
+                if value is None:
+                    return
+                self.samples.append(value)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> float | None:
+        if self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        return statistics.mean(self.samples) if self.samples else None
+
+
+def _flop_counter(warmup: int) -> Any:
+    """A callback counting the FLOPs of every step after `warmup` (forward, backward and
+    optimiser; `FlopCounterMode` counts matmul-class ops), and the pairs and words trained."""
+    import lightning.pytorch as L
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class FlopCount(L.Callback):
+        def __init__(self) -> None:
+            self.i = self.flops = self.pairs = self.words = 0
+            self.mode: Any = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                                 batch_idx: int) -> None:
+            if self.i >= warmup:
+                self.mode = FlopCounterMode(display=False)
+                self.mode.__enter__()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            if self.mode is not None:
+                self.mode.__exit__(None, None, None)
+                self.flops += int(self.mode.get_total_flops())
+                self.pairs += len(batch.lengths)
+                self.words += int((batch.lengths - 1).clamp_min(0).sum())
+                self.mode = None
+            self.i += 1
+
+        def result(self) -> dict[str, Any]:
+            return {"flops": self.flops, "flop_pairs": self.pairs, "flop_words": self.words}
+
+    return FlopCount()
+
+
+def _profiler(spec: dict[str, Any]) -> Any:
+    """A callback profiling the steps after `spec["warmup"]` with `torch.profiler`; `result`
+    gives the top ops by self CPU time, per step."""
+    import lightning.pytorch as L
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if spec["device"].startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+
+    class Profile(L.Callback):
+        def __init__(self) -> None:
+            self.i, self.prof = 0, profile(activities=activities)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                                 batch_idx: int) -> None:
+            if self.i == spec["warmup"]:
+                self.prof.start()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            self.i += 1
+            if self.i == spec["warmup"] + spec["steps"]:
+                if spec["device"].startswith("cuda"):
+                    torch.cuda.synchronize()
+                self.prof.stop()
+
+        def result(self) -> dict[str, Any]:
+            return {"profile": top_ops(self.prof.key_averages(), spec["steps"])}
+
+    return Profile()
+
+
+def top_ops(events: Any, steps: int, n: int = 15) -> list[dict[str, Any]]:
+    """The `n` ops of a profile (`key_averages()`) with the most self CPU time: ms per step,
+    share of all self CPU time, calls per step (and self CUDA ms per step when recorded)."""
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    rows = []
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:n]:
+        cuda_us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+        rows.append({"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3 / steps,
+                     "share": e.self_cpu_time_total / total, "calls": e.count / steps,
+                     "self_cuda_ms": cuda_us / 1e3 / steps})
+    return rows
+
+
+def matmul_rate(n: int, repeats: int = 5, device: str = "cpu") -> dict[str, float]:
+    """GFLOP/s of an fp32 (n, n) x (n, n) `torch.mm` (2 n^3 FLOPs): best and median of
+    `repeats` after a warm-up."""
+    import torch
+
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    c = torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=c)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    flop = 2 * n**3
+    return {"matmul_gflops": flop / min(times) / 1e9,
+            "matmul_gflops_median": flop / statistics.median(times) / 1e9, "matmul_size": n}
+
+
+def worker_roofline(spec: dict[str, Any]) -> dict[str, Any]:
+    """The matmul rate, then the FLOPs of the timed steps of one cached training round."""
+    import torch
+
+    rate = matmul_rate(spec["matmul_size"], device=spec["device"])
+    counted = worker_train({**spec, "count_flops": True})
+    return {**rate, "threads": torch.get_num_threads(),
+            **{k: counted[k] for k in ("flops", "flop_pairs", "flop_words")}}
+
+
+def worker_profile(spec: dict[str, Any]) -> dict[str, Any]:
+    """Top ops by self CPU time over the timed steps of a cached training run."""
+    return worker_train({**spec, "profile": True})
 
 
 def summarize_train(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -271,7 +482,8 @@ def summarize_train(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
-    """Beam search on the cached val features, every caption `max_len` steps."""
+    """Beam search on the cached val features (repeated up to `beam_images`), every caption
+    `max_len` steps."""
     import lightning.pytorch as L
     import torch
 
@@ -279,15 +491,16 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
 
     L.seed_everything(0, verbose=False)
     device = torch.device(spec["device"])
-    module, dm = _build(spec, cached=True)
-    _attach_cache(module, dm, spec["device"])
+    module, dm = build_run(spec, cached=True)
+    attach_cache(module, dm, spec["device"])
     if spec.get("weights") and Path(spec["weights"]).exists():
         module.load_state_dict(torch.load(spec["weights"], map_location="cpu"))
     with torch.no_grad():
         module.captioner.decoder.out.bias[SpecialIds().end] = -1e4
     module.to(device).eval()
     ds = dm.dataset_for("val")
-    feats = torch.stack([ds[i][0] for i in range(min(len(ds), spec["beam_images"]))]).to(device)
+    n = spec["beam_images"]
+    feats = torch.stack([ds[i % len(ds)][0] for i in range(n)]).to(device)
     b = spec["batch_size"]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=spec["precision"] == "bf16-mixed")
@@ -346,7 +559,7 @@ def worker_padding(spec: dict[str, Any]) -> dict[str, Any]:
 
     from captioning.data.samplers import BucketBatchSampler, EpochShuffleSampler
 
-    _, dm = _build({**spec, "attention": "soft"}, cached=False)
+    _, dm = build_run({**spec, "attention": "soft"}, cached=False)
     lengths = np.asarray(dm.dataset_for("train").lengths)
     steps = lengths - 1
     b = spec["batch_size"]
@@ -362,27 +575,42 @@ def worker_padding(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 WORKERS = {"train": worker_train, "beam": worker_beam, "coco_index": worker_coco_index,
-           "padding": worker_padding}
+           "padding": worker_padding, "roofline": worker_roofline, "profile": worker_profile}
 
 
-def _run_worker(spec: dict[str, Any], threads: int | None) -> dict[str, Any]:
+def start_worker(spec: dict[str, Any], threads: int | None) -> subprocess.Popen[str]:
+    """A worker in a fresh process (`finish_worker` waits for its result). `threads`: its
+    intra-op threads (OMP_NUM_THREADS)."""
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
-                          capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
+    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # a DDP worker sets up its own ranks
+    return subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish_worker(proc: subprocess.Popen[str], kind: str) -> dict[str, Any]:
+    """The result of a `start_worker` process; RuntimeError (its stderr's tail logged) when
+    it gave none."""
+    stdout, stderr = proc.communicate()
+    for line in stdout.splitlines():
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT):])
-    sys.stderr.write(proc.stderr[-5000:])
-    raise RuntimeError(f"benchmark worker {spec['kind']} failed (exit {proc.returncode})")
+    sys.stderr.write(stderr[-5000:])
+    raise RuntimeError(f"benchmark worker {kind} failed (exit {proc.returncode})")
+
+
+def run_worker(spec: dict[str, Any], threads: int | None) -> dict[str, Any]:
+    """Run one worker in a fresh process and return its result."""
+    return finish_worker(start_worker(spec, threads), spec["kind"])
 
 
 # ---------------------------------------------------------------------------------------------
 # Orchestration
 
 
-def _machine(device: str, threads: int | None) -> str:
+def describe_machine(device: str, threads: int | None) -> str:
     import platform
 
     import torch
@@ -406,16 +634,33 @@ def _fmt(x: float | None, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
-def main(argv: list[str] | None = None) -> int:
+# Named settings: `--preset NAME` makes these the defaults (flags on the command line win).
+PRESETS: dict[str, dict[str, Any]] = {
+    # Issue 17's CPU setting: resnet18 frozen at 256 px (an 8x8 grid, pooled to 14x14 by
+    # `net.grid_size: 14`), decoder 512/512/512, batch 32, 2 threads, 1,500 training images x
+    # 5 captions; cached soft training with the roofline.
+    "issue17": {"encoder": "resnet18", "image_size": 256, "grid_size": 14, "batch_size": 32,
+                "threads": 2, "num_train": 1500, "rows": "cached", "attentions": "soft",
+                "roofline": True},
+}
+ENCODERS = ("mobilenet_v2", "vgg19", "resnet18")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a named setting (PRESETS); explicit flags win")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
     p.add_argument("--paper", action="store_true",
                    help="COCO paper configuration: VGG-19 14x14x512, LSTM 1800, batch 64, "
                         "10k-word synthetic COCO captions")
-    p.add_argument("--encoder", default="mobilenet_v2", choices=("mobilenet_v2", "vgg19"),
+    p.add_argument("--encoder", default="mobilenet_v2", choices=ENCODERS,
                    help="frozen CNN without --paper (default mobilenet_v2)")
+    p.add_argument("--image-size", type=int, default=None, help="default 224 (64 with --tiny)")
+    p.add_argument("--grid-size", type=int, default=None,
+                   help="pool the CNN's grid to this many cells a side (default: the CNN's own)")
     p.add_argument("--batch-size", type=int, default=None, help="default 32 (64 with --paper)")
     p.add_argument("--steps", type=int, default=24, help="timed training steps per row")
     p.add_argument("--rounds", type=int, default=3,
@@ -431,137 +676,243 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="uncached,cached,channels_last,nobucket,compile,beam,coco",
                    help="comma-separated subset of: uncached,cached,channels_last,nobucket,"
                         "compile,beam,coco")
+    p.add_argument("--attentions", default="soft,hard",
+                   help="attention kinds of the uncached and cached rows")
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per run (default: torch's); use 1 on a machine "
                         "shared with other jobs, where OpenMP thread teams stall")
+    p.add_argument("--roofline", action="store_true",
+                   help="also: matmul rate, FLOPs per pair and achieved GFLOP/s of cached soft "
+                        "training (adds the cached soft row)")
+    p.add_argument("--matmul-size", type=int, default=None,
+                   help="n of the roofline's n x n matmul (default 4096; 512 with --tiny)")
+    p.add_argument("--profile", action="store_true",
+                   help="also: torch.profiler over cached soft training, top ops by self CPU time")
+    p.add_argument("--profile-steps", type=int, default=5, help="profiled steps")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--tiny", action="store_true",
                    help="64 px images and a 32-unit decoder: checks that every row runs")
+    known, _ = p.parse_known_args(argv)
+    if known.preset:
+        p.set_defaults(**PRESETS[known.preset])
     args = p.parse_args(argv)
     args.warmup = max(1, args.warmup)  # the first timed step needs a previous step's end
+    args.image_size = args.image_size or (64 if args.tiny else 224)
+    args.batch_size = args.batch_size or (64 if args.paper else 32)
+    args.matmul_size = args.matmul_size or (512 if args.tiny else 4096)
+    return args
 
+
+def run_as_worker(spec: dict[str, Any]) -> int:
+    """`--worker SPEC`: run one worker, print its result (rank zero only, under DDP)."""
+    logging.basicConfig(level=logging.WARNING)
+    if spec.get("threads"):
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    result = WORKERS[spec["kind"]](spec)
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+        print(RESULT + json.dumps(result), flush=True)
+    return 0
+
+
+def make_base(work: Path, *, device: str = "cpu", precision: str = "32-true",
+              paper: bool = False, encoder: str = "mobilenet_v2", batch_size: int = 32,
+              num_train: int = 640, num_val: int = 64, image_size: int = 224,
+              grid_size: int | None = None, tiny: bool = False, channels_last: bool = False,
+              steps: int = 24, warmup: int = 2, threads: int | None = None) -> dict[str, Any]:
+    """Generate the shapes data under `work` (and, with `paper`, COCO-like captions over its
+    images) and return the spec every worker starts from."""
+    from captioning.data.shapes import generate_shapes
+
+    shapes = {"num_train": num_train, "num_val": num_val, "num_test": 0,
+              "image_size": image_size, "seed": 0}
+    t0 = time.perf_counter()
+    root = generate_shapes(work / "shapes", **shapes)
+    log.info("shapes data ready in %.0f s", time.perf_counter() - t0)
+    base = {"device": device, "precision": precision, "paper": paper, "encoder": encoder,
+            "grid_size": grid_size, "batch_size": batch_size, "root": str(root),
+            "shapes": shapes, "image_size": image_size, "tiny": tiny,
+            "cache_dir": str(work / "features"), "workdir": str(work),
+            "channels_last": channels_last, "steps": steps, "warmup": warmup,
+            "compile": False, "threads": threads}
+    if paper:  # COCO-like captions (10k words) over the shapes images
+        names = {split: sorted(p.name for p in (root / "images").glob(f"{split}_*.png"))
+                 for split in ("train", "val")}
+        split_file = make_coco_karpathy(
+            work / "paper_captions.json", filenames=names,
+            splits={"train": 20_000, "val": num_val}, captions=0)  # 100k captions
+        base.update(split_file=str(split_file), image_root=str(root / "images"))
+    return base
+
+
+def train_configs(args: argparse.Namespace, weights: str) -> list[tuple[str, dict[str, Any]]]:
+    """(row name, spec overrides) of the training rows that `args` asks for."""
+    rows = set(args.rows.split(","))
+    attentions = args.attentions.split(",")
+    if args.roofline:  # it reads the cached soft row's rate
+        rows.add("cached")
+        attentions = list(dict.fromkeys(["soft", *attentions]))
+    configs: list[tuple[str, dict[str, Any]]] = []
+    for attention in attentions:
+        if "uncached" in rows:
+            configs.append((f"train, uncached, {attention}",
+                            {"cached": False, "attention": attention}))
+        if "cached" in rows:
+            configs.append((f"train, cached, {attention}", {
+                "attention": attention,
+                "save_weights": weights if attention == "soft" else None}))
+    if "channels_last" in rows:
+        configs.append(("train, uncached, soft, channels_last",
+                        {"cached": False, "channels_last": True}))
+    if "nobucket" in rows:
+        configs.append(("train, cached, soft, no bucketing", {"bucketing": False}))
+    if "compile" in rows:
+        configs.append(("train, cached, soft, torch.compile",
+                        {"compile": True, "warmup": max(args.warmup, 3)}))
+    return configs
+
+
+def train_spec(base: dict[str, Any], args: argparse.Namespace, kw: dict[str, Any],
+               steps: int) -> dict[str, Any]:
+    """The worker spec of one training row (`kw`: its overrides), `steps` timed steps."""
+    cached = kw.get("cached", True)
+    workers = args.num_workers if args.num_workers is not None else (
+        4 if args.device.startswith("cuda") else (0 if cached else 2))
+    return {**base, "kind": "train", "attention": "soft", "cached": True,
+            "num_workers": workers, **kw, "steps": steps}
+
+
+def run_training_rows(base: dict[str, Any], args: argparse.Namespace,
+                      configs: list[tuple[str, dict[str, Any]]]
+                      ) -> list[tuple[str, dict[str, Any]]]:
+    """Interleaved rounds: every configuration runs a share of its steps in each round, so
+    that a busy spell of the machine does not land on one configuration only."""
+    per_round = -(-args.steps // args.rounds)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
+    for r in range(args.rounds):
+        for name, kw in configs:
+            log.info("round %d/%d: %s", r + 1, args.rounds, name)
+            runs[name].append(run_worker(train_spec(base, args, kw, per_round), args.threads))
+    results = []
+    for name, kw in configs:
+        res = summarize_train(runs[name])
+        workers = train_spec(base, args, kw, 0)["num_workers"]
+        res["notes"] = "; ".join(x for x in (f"{workers} loader workers", res["notes"]) if x)
+        results.append((name, res))
+    return results
+
+
+def run_roofline(base: dict[str, Any], args: argparse.Namespace,
+                 cached_soft: dict[str, Any]) -> dict[str, Any]:
+    """The roofline of cached soft training: matmul rate, FLOPs per pair (counted on the
+    batches a timing round times) and the achieved rate of the `cached_soft` row."""
+    log.info("running: roofline (matmul rate, FLOP count)")
+    per_round = -(-args.steps // args.rounds)
+    spec = {**train_spec(base, args, {"attention": "soft"}, per_round), "kind": "roofline",
+            "matmul_size": args.matmul_size}
+    roof = run_worker(spec, args.threads)
+    per_pair = roof["flops"] / max(1, roof["flop_pairs"])
+    achieved = per_pair * cached_soft["mean_captions_per_s"] / 1e9
+    return {**roof, "flops_per_pair": per_pair,
+            "words_per_pair": roof["flop_words"] / max(1, roof["flop_pairs"]),
+            "pairs_per_s": cached_soft["mean_captions_per_s"], "achieved_gflops": achieved,
+            "share": achieved / roof["matmul_gflops"]}
+
+
+def run_profile(base: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    log.info("running: profile of cached soft training")
+    spec = {**train_spec(base, args, {"attention": "soft"}, args.profile_steps),
+            "kind": "profile"}
+    return run_worker(spec, args.threads)["profile"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
-        spec = json.loads(args.worker)
-        logging.basicConfig(level=logging.WARNING)
-        if spec.get("threads"):
-            import torch
-
-            torch.set_num_threads(spec["threads"])
-        print(RESULT + json.dumps(WORKERS[spec["kind"]](spec)), flush=True)
-        return 0
+        return run_as_worker(json.loads(args.worker))
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = set(args.rows.split(","))
-    batch = args.batch_size or (64 if args.paper else 32)
-    cuda = args.device.startswith("cuda")
+    extra: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="captioning-bench-") as tmp_dir:
         work = Path(args.workdir or tmp_dir)
         work.mkdir(parents=True, exist_ok=True)
-        from captioning.data.shapes import generate_shapes
-
-        size = 64 if args.tiny else 224
-        shapes = {"num_train": args.num_train, "num_val": 8 if args.tiny else 64,
-                  "num_test": 0, "image_size": size, "seed": 0}
-        t0 = time.perf_counter()
-        root = generate_shapes(work / "shapes", **shapes)
-        log.info("shapes data ready in %.0f s", time.perf_counter() - t0)
-        base = {"device": args.device, "precision": args.precision, "paper": args.paper,
-                "encoder": args.encoder,
-                "batch_size": batch, "root": str(root),
-                "shapes": shapes, "image_size": size, "tiny": args.tiny,
-                "cache_dir": str(work / "features"), "workdir": str(work),
-                "channels_last": args.channels_last, "steps": args.steps,
-                "warmup": args.warmup, "compile": False, "threads": args.threads}
-        if args.paper:  # COCO-like captions (10k words) over the shapes images
-            names = sorted(p.name for p in (root / "images").glob("*.png"))
-            split_file = make_coco_karpathy(
-                work / "paper_captions.json", filenames=[n for n in names if n[:5] == "train"],
-                splits={"train": 20_000, "val": 64}, captions=0)  # 100k captions
-            base.update(split_file=str(split_file), image_root=str(root / "images"))
-
-        results: list[tuple[str, dict[str, Any]]] = []
-
-        configs: list[tuple[str, dict[str, Any]]] = []
+        base = make_base(work, device=args.device, precision=args.precision, paper=args.paper,
+                         encoder=args.encoder, batch_size=args.batch_size,
+                         num_train=args.num_train, num_val=8 if args.tiny else 64,
+                         image_size=args.image_size, grid_size=args.grid_size, tiny=args.tiny,
+                         channels_last=args.channels_last, steps=args.steps,
+                         warmup=args.warmup, threads=args.threads)
         weights = str(work / "cached_soft.pt")
-        for attention in ("soft", "hard"):
-            if "uncached" in rows:
-                configs.append((f"train, uncached, {attention}",
-                                {"cached": False, "attention": attention}))
-            if "cached" in rows:
-                configs.append((f"train, cached, {attention}", {
-                    "attention": attention,
-                    "save_weights": weights if attention == "soft" else None}))
-        if "channels_last" in rows:
-            configs.append(("train, uncached, soft, channels_last",
-                            {"cached": False, "channels_last": True}))
-        if "nobucket" in rows:
-            configs.append(("train, cached, soft, no bucketing", {"bucketing": False}))
-        if "compile" in rows:
-            configs.append(("train, cached, soft, torch.compile",
-                            {"compile": True, "warmup": max(args.warmup, 3)}))
-        # Interleaved rounds: every configuration runs a share of its steps in each round, so
-        # that a busy spell of the machine does not land on one configuration only.
-        per_round = -(-args.steps // args.rounds)
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
-        workers: dict[str, int] = {}
-        for r in range(args.rounds):
-            for name, kw in configs:
-                cached = kw.get("cached", True)
-                workers[name] = args.num_workers if args.num_workers is not None else (
-                    4 if cuda else (0 if cached else 2))
-                spec = {**base, "kind": "train", "attention": "soft", "cached": True,
-                        "num_workers": workers[name], **kw, "steps": per_round}
-                log.info("round %d/%d: %s", r + 1, args.rounds, name)
-                runs[name].append(_run_worker(spec, args.threads))
-        for name, _ in configs:
-            res = summarize_train(runs[name])
-            res["notes"] = "; ".join(x for x in (f"{workers[name]} loader workers",
-                                                 res["notes"]) if x)
-            results.append((name, res))
+        results = run_training_rows(base, args, train_configs(args, weights))
+        if args.roofline:
+            extra["roofline"] = run_roofline(base, args, dict(results)["train, cached, soft"])
+        if args.profile:
+            extra["profile"] = run_profile(base, args)
         if "beam" in rows:
             log.info("running: beam search")
-            res = _run_worker({**base, "kind": "beam", "attention": "soft", "num_workers": 0,
-                               "beam_size": args.beam_size, "max_len": args.max_len,
-                               "beam_images": shapes["num_val"], "weights": weights},
-                              args.threads)
+            res = run_worker({**base, "kind": "beam", "attention": "soft", "num_workers": 0,
+                              "beam_size": args.beam_size, "max_len": args.max_len,
+                              "beam_images": base["shapes"]["num_val"], "weights": weights},
+                             args.threads)
             results.append((f"beam search, cached, soft (beam {args.beam_size})", res))
-        padding: dict[str, Any] = {}
-        if "coco" in rows:
-            log.info("writing a COCO-size Karpathy file")
-            t0 = time.perf_counter()
-            coco = make_coco_karpathy(work / "coco" / "dataset_coco.json")
-            log.info("  written in %.0f s (%.0f MB)", time.perf_counter() - t0,
-                     coco.stat().st_size / 2**20)
-            log.info("running: COCO-size index build")
-            spec = {"kind": "coco_index", "split_file": str(coco),
-                    "image_root": str(coco.parent)}
-            res = _run_worker(spec, args.threads)
-            results.append(("COCO-size index build (123k images)", res))
-            padding["COCO-size"] = _run_worker(
-                {**base, "kind": "padding", "split_file": str(coco),
-                 "image_root": str(coco.parent), "num_workers": 0}, args.threads)
-        padding["shapes"] = _run_worker({**base, "kind": "padding", "num_workers": 0,
-                                         "split_file": None}, args.threads)
+        padding = run_padding_rows(base, args, work, results, coco="coco" in rows)
 
-    _print_table(args, batch, results, padding)
+    _print_table(args, args.batch_size, results, padding)
+    _print_roofline(args, extra.get("roofline"))
+    _print_profile(extra.get("profile"))
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "machine": _machine(args.device, args.threads), "args": vars(args),
-            "rows": dict(results), "padding": padding}, indent=2))
+            "machine": describe_machine(args.device, args.threads), "args": vars(args),
+            "rows": dict(results), "padding": padding, **extra}, indent=2))
     return 0
+
+
+def run_padding_rows(base: dict[str, Any], args: argparse.Namespace, work: Path,
+                     results: list[tuple[str, dict[str, Any]]], *, coco: bool
+                     ) -> dict[str, Any]:
+    """The padding shares (shapes; with `coco`, also the COCO-size index build row and the
+    COCO-size padding share)."""
+    padding: dict[str, Any] = {}
+    if coco:
+        log.info("writing a COCO-size Karpathy file")
+        t0 = time.perf_counter()
+        path = make_coco_karpathy(work / "coco" / "dataset_coco.json")
+        log.info("  written in %.0f s (%.0f MB)", time.perf_counter() - t0,
+                 path.stat().st_size / 2**20)
+        log.info("running: COCO-size index build")
+        spec = {"kind": "coco_index", "split_file": str(path), "image_root": str(path.parent)}
+        results.append(("COCO-size index build (123k images)", run_worker(spec, args.threads)))
+        padding["COCO-size"] = run_worker(
+            {**base, "kind": "padding", "split_file": str(path),
+             "image_root": str(path.parent), "num_workers": 0}, args.threads)
+    padding["shapes"] = run_worker({**base, "kind": "padding", "num_workers": 0,
+                                    "split_file": None}, args.threads)
+    return padding
+
+
+def grid_description(args: argparse.Namespace) -> str:
+    """The annotation grid of the benchmark's CNN, e.g. 14x14x512."""
+    from captioning.models.encoder import BACKBONES
+
+    spec = BACKBONES["vgg19" if args.paper else args.encoder]
+    n = 14 if args.paper else (args.grid_size or -(-args.image_size // spec.stride))
+    return f"{n}x{n}x{spec.dim}"
 
 
 def _print_table(args: argparse.Namespace, batch: int, results: list[tuple[str, dict[str, Any]]],
                  padding: dict[str, Any]) -> None:
-    grid = {"mobilenet_v2": "7x7x1280", "vgg19": "14x14x512"}[args.encoder]
     cfg = ("VGG-19 14x14x512, embed/attn 512, LSTM 1800" if args.paper else
-           f"{args.encoder} {grid} (random weights), embed/attn/LSTM 512")
+           f"{args.encoder} {grid_description(args)} (random weights), embed/attn/LSTM "
+           f"{32 if args.tiny else 512}")
     mem = "peak GPU MB" if args.device.startswith("cuda") else "peak RSS MB"
-    print(f"\nmachine: {_machine(args.device, args.threads)}")
-    print(f"model: {cfg}, frozen encoder, {64 if args.tiny else 224} px, batch {batch}, device {args.device}, "
-          f"precision {args.precision}; training: {args.steps} timed steps per row in "
-          f"{args.rounds} interleaved rounds, each after {args.warmup} warm-up steps")
+    print(f"\nmachine: {describe_machine(args.device, args.threads)}")
+    print(f"model: {cfg}, frozen encoder, {args.image_size} px, batch {batch}, device "
+          f"{args.device}, precision {args.precision}; training: {args.steps} timed steps per "
+          f"row in {args.rounds} interleaved rounds, each after {args.warmup} warm-up steps"
+          + (f"; preset {args.preset}" if args.preset else ""))
     head = f"| {'configuration':<42} | {'captions/s':>10} | {'step ms':>8} | {'data wait':>9} " \
            f"| {'padding':>7} | {mem:>11} | notes"
     print(head)
@@ -588,6 +939,34 @@ def _print_table(args: argparse.Namespace, batch: int, results: list[tuple[str, 
         print(f"padding share of one epoch's (B, T) step-rows, {name} ({pad['captions']} "
               f"captions, batch {batch}): {100 * pad['bucketed']:.1f}% bucketed, "
               f"{100 * pad['random']:.1f}% random batches")
+
+
+def _print_roofline(args: argparse.Namespace, roof: dict[str, Any] | None) -> None:
+    if not roof:
+        return
+    where = "GPU" if args.device.startswith("cuda") else f"CPU, {roof['threads']} thread(s)"
+    n = roof["matmul_size"]
+    print(f"roofline ({where}): fp32 matmul {n}x{n}: {roof['matmul_gflops']:.1f} GFLOP/s "
+          f"(best of 5; median {roof['matmul_gflops_median']:.1f})")
+    print(f"roofline: decoder FLOPs per training pair, forward + backward + optimiser "
+          f"(FlopCounterMode, matmul-class ops, over the {roof['flop_pairs']} pairs of one "
+          f"timing round's batches, {roof['words_per_pair']:.1f} words per pair): "
+          f"{roof['flops_per_pair'] / 1e9:.3f} GFLOP")
+    print(f"roofline: cached soft training at {roof['pairs_per_s']:.1f} pairs/s (mean over the "
+          f"timed steps) x {roof['flops_per_pair'] / 1e9:.3f} GFLOP = "
+          f"{roof['achieved_gflops']:.1f} GFLOP/s = {100 * roof['share']:.0f}% of the matmul rate")
+
+
+def _print_profile(rows: list[dict[str, Any]] | None) -> None:
+    if not rows:
+        return
+    cuda = any(r["self_cuda_ms"] for r in rows)
+    print("profile of cached soft training (torch.profiler), top ops by self CPU time, per step:")
+    print(f"| {'op':<40} | {'self CPU ms':>11} | {'share':>6} | {'calls':>7} |"
+          + (f" {'self CUDA ms':>12} |" if cuda else ""))
+    for r in rows:
+        print(f"| {r['op'][:40]:<40} | {r['self_cpu_ms']:11.2f} | {100 * r['share']:5.1f}% | "
+              f"{r['calls']:7.1f} |" + (f" {r['self_cuda_ms']:12.2f} |" if cuda else ""))
 
 
 if __name__ == "__main__":

@@ -24,3 +24,36 @@ def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
     assert "padding share of one epoch's (B, T) step-rows, shapes" in out.stdout
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert all(r["captions_per_s"] > 0 for r in rows.values())
+
+
+def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached", "--attentions",
+         "soft", "--roofline", "--profile", "--profile-steps", "2", "--steps", "2",
+         "--rounds", "1", "--warmup", "1", "--num-train", "16", "--batch-size", "4",
+         "--threads", "1", "--workdir", str(tmp_path / "work"),
+         "--json", str(tmp_path / "bench.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| train, cached, soft" in out.stdout
+    assert "roofline (CPU, 1 thread(s)): fp32 matmul 512x512:" in out.stdout
+    assert "of the matmul rate" in out.stdout
+    assert "top ops by self CPU time" in out.stdout
+    data = json.loads((tmp_path / "bench.json").read_text())
+    roof = data["roofline"]
+    assert roof["matmul_gflops"] > 0 and roof["flop_pairs"] == 2 * 4  # the timed steps' pairs
+    assert roof["flops_per_pair"] > 1e5  # a 32-unit decoder over 6-word captions: ~1e7
+    assert 0 < roof["share"] < 1
+    ops = [r["op"] for r in data["profile"]]
+    assert len(ops) >= 5 and any(op.startswith("aten::") for op in ops)
+
+
+def test_issue17_preset_sets_the_issue_setting() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchmark
+
+    args = benchmark.parse_args(["--preset", "issue17", "--steps", "4"])
+    assert (args.encoder, args.image_size, args.grid_size, args.batch_size, args.threads,
+            args.num_train) == ("resnet18", 256, 14, 32, 2, 1500)
+    assert args.roofline and args.rows == "cached" and args.steps == 4  # a flag wins
+    assert benchmark.grid_description(args) == "14x14x512"

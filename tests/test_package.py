@@ -49,6 +49,8 @@ def test_a_path_wins_over_a_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     (tmp_path / "cpu.yaml").write_text("trainer: {max_epochs: 1}\n")
     assert find_config("cpu.yaml") == Path("cpu.yaml")
     assert find_config("cpu") == CONFIG_DIR / "trainer" / "cpu.yaml"
+    (tmp_path / "data" / "shapes").mkdir(parents=True)  # the generated dataset, not a config
+    assert find_config("data/shapes") == CONFIG_DIR / "data" / "shapes.yaml"
 
 
 def test_group_flags_and_unknown_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

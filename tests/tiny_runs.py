@@ -1,9 +1,11 @@
 """Shared helpers of the robustness tests (test_interrupt, test_lit_module, test_cli,
 test_data_checks): tiny models and data modules, trainers that save `last.ckpt`, state
-snapshots, callbacks that interrupt or break a run (also used through the CLI, by class path
-`tiny_runs.InterruptAt` / `tiny_runs.BreakAt`), a complete `captioning fit` config, and
-fixtures (`cache_dir`, `fitted`, `signal_handlers_restored`), which conftest.py makes available
-to every test module.
+snapshots, callbacks that interrupt, kill or break a run or record its training pairs (also
+used through the CLI, by class path `tiny_runs.InterruptAt` / `KillAt` / `BreakAt` /
+`RecordPairs`), a checkpoint writer that blocks mid-save (`BlockingCheckpointIO`), a complete
+`captioning fit` config (`cli_config`; `with_latest` gives it the shipped checkpoint layout),
+and fixtures (`cache_dir`, `fitted`, `signal_handlers_restored`), which conftest.py makes
+available to every test module.
 
 Uses the session's tiny shapes dataset (conftest) and tiny models (resnet18 without weights,
 2x2 grid, 16-32 dims, 64 px, cached features).
@@ -12,9 +14,12 @@ Uses the session's tiny shapes dataset (conftest) and tiny models (resnet18 with
 from __future__ import annotations
 
 import copy
+import io
+import json
 import math
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from captioning.callbacks import CheckpointOnInterrupt
+from captioning.callbacks import AtomicCheckpointIO, CheckpointOnInterrupt, LatestCheckpoint
 from captioning.data.datamodule import CaptionDataModule
 from captioning.data.sources import DataSource
 from captioning.lit_module import CaptioningModule
@@ -151,6 +156,55 @@ class BreakAt(L.Callback):
             p.register_hook(lambda g: torch.full_like(g, math.inf))
 
 
+class KillAt(L.Callback):
+    """`kill -9` this process at the start of training batch `batch` of epoch `epoch` (after
+    the checkpoints of the step before were saved)."""
+
+    def __init__(self, epoch: int = 0, batch: int = 0) -> None:
+        self.epoch, self.batch = epoch, batch
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordPairs(L.Callback):
+    """Append each training pair the model sees to `path`, one JSON line per batch:
+    [epoch, [[image id, caption token ids], ...]] (flushed, so a killed run keeps its lines)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        pairs = [[str(i), c[:n].tolist()] for i, c, n in
+                 zip(batch.image_ids, batch.captions, batch.lengths.tolist(), strict=True)]
+        with open(self.path, "a") as f:
+            f.write(json.dumps([trainer.current_epoch, pairs]) + "\n")
+
+
+class BlockingCheckpointIO(AtomicCheckpointIO):
+    """`AtomicCheckpointIO` whose save number `block_at` (1-based) writes half the checkpoint,
+    creates `marker`, then blocks (for a test to `kill -9` the process during the save)."""
+
+    def __init__(self, marker: str, block_at: int = 2) -> None:
+        super().__init__()
+        self.marker, self.block_at, self.saves = marker, block_at, 0
+
+    def write_file(self, checkpoint: dict[str, Any], tmp: Path) -> None:
+        self.saves += 1
+        if self.saves < self.block_at:
+            return super().write_file(checkpoint, tmp)
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        with open(tmp, "wb") as f:
+            f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            f.flush()
+        Path(self.marker).touch()
+        time.sleep(600)
+
+
 # ------------------------------------------------------------------------------------------
 # Checkpoints
 
@@ -195,6 +249,37 @@ def cli_config(path: Path, shapes_dm_kwargs: dict, cache_dir: Path, ckpt_dir: Pa
     }
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def with_latest(cfg: Path, **latest: Any) -> Path:
+    """A `cli_config` file rewritten to the shipped configs' checkpoint layout: the best by
+    val/loss (no last.ckpt), `LatestCheckpoint` (its `latest` arguments) and
+    `AtomicCheckpointIO`."""
+    data = yaml.safe_load(cfg.read_text())
+    trainer = data["trainer"]
+    best, *rest = trainer["callbacks"]
+    best["init_args"].update(save_last=False, save_top_k=1, monitor="val/loss",
+                             filename="best-{epoch:02d}")
+    latest_cb = {"class_path": "captioning.callbacks.LatestCheckpoint",
+                 "init_args": {"dirpath": best["init_args"]["dirpath"], **latest}}
+    trainer["callbacks"] = [best, latest_cb, *rest]
+    trainer.setdefault("plugins", [{"class_path": "captioning.callbacks.AtomicCheckpointIO"}])
+    cfg.write_text(yaml.safe_dump(data))
+    return cfg
+
+
+def latest_trainer(ckpt_dir: Path, *callbacks: L.Callback, max_epochs: int = 2,
+                   every_n_train_steps: int = 0, plugins: Any = None, **kw: Any) -> L.Trainer:
+    """`make_trainer` with the shipped configs' checkpoint layout (see `with_latest`) and
+    every training batch (no `limit_train_batches`)."""
+    best = ModelCheckpoint(dirpath=str(ckpt_dir), monitor="val/loss", save_top_k=1,
+                           filename="best-{epoch:02d}")
+    latest = LatestCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=every_n_train_steps)
+    return L.Trainer(max_epochs=max_epochs, limit_val_batches=1, num_sanity_val_steps=0,
+                     logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     accelerator="cpu", devices=1, default_root_dir=str(ckpt_dir.parent),
+                     callbacks=[best, latest, CheckpointOnInterrupt(), *callbacks],
+                     plugins=plugins or [AtomicCheckpointIO()], **kw)
 
 
 def error_lines(err: str) -> list[str]:

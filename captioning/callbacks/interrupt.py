@@ -35,9 +35,10 @@ class CheckpointOnInterrupt(L.Callback):
     `interrupt` ("SIGINT", "SIGTERM" or "KeyboardInterrupt") and `checkpoint_path`, which the
     `captioning` command reports.
 
-    Resuming from an epoch boundary reproduces an uninterrupted run exactly (the data order is
-    seeded per epoch and `CaptioningModule` stores the RNG states); a checkpoint taken
-    mid-epoch resumes with a fresh pass over the data for the rest of that epoch.
+    Resuming reproduces an uninterrupted run exactly, from an epoch boundary or from within an
+    epoch: the data order is seeded per epoch, the training loader saves its place in the
+    epoch (`captioning.data.samplers.ResumableDataLoader`) and `CaptioningModule` stores the
+    RNG states.
     """
 
     def __init__(self, graceful_sigint: bool = True) -> None:
@@ -178,9 +179,10 @@ def _model_checkpoints(trainer: L.Trainer) -> list[Any]:
 
 
 def last_checkpoint_path(trainer: L.Trainer) -> Path:
-    """Where `ckpt_path="last"` looks: the first `ModelCheckpoint`'s last checkpoint
-    (`dirpath/last.ckpt`); `default_root_dir/checkpoints/last.ckpt` without one."""
-    for cb in _model_checkpoints(trainer):
+    """Where `ckpt_path="last"` looks: the last checkpoint (`dirpath/last.ckpt`) of the first
+    `ModelCheckpoint` that saves one (e.g. `LatestCheckpoint`), else of the first one;
+    `default_root_dir/checkpoints/last.ckpt` without any."""
+    for cb in sorted(_model_checkpoints(trainer), key=lambda cb: not cb.save_last):
         if cb.dirpath:
             name = f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
             if "{" in name:  # a formatted last name ("{epoch}-last"): keep the current file

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -27,6 +25,7 @@ import lightning.pytorch as L
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
+from captioning.atomic import write_atomic, write_text_atomic
 from captioning.viz import render_strips, save_strip_png
 
 
@@ -36,20 +35,17 @@ def _report(message: str) -> None:
     sys.stderr.flush()
 
 
-def write_json_atomic(records: Sequence[dict[str, Any]], path: Path) -> None:
-    """A JSON list, one record per line, written to a temporary file beside `path` and moved
-    into place: a reader never sees a partial file."""
+def write_results_json(records: Sequence[dict[str, Any]], path: Path) -> None:
+    """A JSON list, one record per line, written atomically (`captioning.atomic`): a reader
+    never sees a partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            body = ",\n".join(json.dumps(r, ensure_ascii=False) for r in records)
-            f.write(f"[\n{body}\n]\n" if records else "[]\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    body = ",\n".join(json.dumps(r, ensure_ascii=False) for r in records)
+    write_text_atomic(path, f"[\n{body}\n]\n" if records else "[]\n")
+
+
+def _savez(path: Path, arrays: dict[str, Any]) -> None:
+    with open(path, "wb") as f:  # a file object: np.savez would append .npz to a name
+        np.savez(f, **arrays)
 
 
 class CaptionWriter(BasePredictionWriter):
@@ -123,8 +119,9 @@ class CaptionWriter(BasePredictionWriter):
         for k, (rec, words) in enumerate(zip(records, prediction["words"])):
             name = Path(self.file_name(rec["index"], rec["file_name"])).with_suffix(".npz").name
             target = folder / name
-            np.savez(target, alphas=alphas[k, : len(words)].reshape(len(words), gh, gw),
-                     words=np.array(words, dtype=str))
+            arrays = {"alphas": alphas[k, : len(words)].reshape(len(words), gh, gw),
+                      "words": np.array(words, dtype=str)}
+            write_atomic(target, lambda tmp, a=arrays: _savez(tmp, a))
             rec["alphas"] = str(target)
 
     def _write_overlays(self, pl_module: Any, batch: Any, prediction: dict[str, Any],
@@ -151,9 +148,12 @@ class CaptionWriter(BasePredictionWriter):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
+        """An interrupted or failed run leaves no partial shard behind."""
         if self._shard is not None:
             self._shard.close()
             self._shard = None
+            with contextlib.suppress(OSError):
+                self.shard_path(trainer.global_rank).unlink()
 
     # -- all ranks done: rank zero merges ------------------------------------------------------
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -195,7 +195,7 @@ class CaptionWriter(BasePredictionWriter):
                         failed.add(rec["index"])
                     else:
                         records.setdefault(rec.pop("index"), rec)
-        write_json_atomic([records[i] for i in sorted(records)], self.out)
+        write_results_json([records[i] for i in sorted(records)], self.out)
         for shard in shards:
             shard.unlink()
         return {"captioned": len(records), "failed": len(failed)}

@@ -7,5 +7,7 @@
   device or many (DDP), into a COCO-style results JSON
 * `shapes`: write the synthetic shapes dataset
 * `cache_features`: build the frozen-encoder feature cache ahead of time
+* `ablate`: train and test every variant × seed of an ablation grid (`configs/ablations/`);
+  `ablation_report` writes its table and plot
 * `errors`: user errors and interruptions as one line and an exit status
 """

@@ -35,7 +35,7 @@ def shipped_configs() -> dict[str, Path]:
 def find_config(name: str, group: str | None = None) -> Path:
     """The file a `--config` value names: an existing path as given; else a shipped config by
     `group/name[.yaml]` or, when unambiguous, by `name` alone (in `group` when given)."""
-    if Path(name).exists():
+    if Path(name).is_file():  # a folder (e.g. data/shapes, the generated dataset) is no config
         return Path(name)
     shipped = shipped_configs()
     key = name.removesuffix(".yaml").removeprefix("configs/")

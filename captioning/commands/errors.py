@@ -10,9 +10,12 @@ went (see `captioning.callbacks.CheckpointOnInterrupt`).
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import re
 import sys
+
+from captioning.locks import Terminated
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +27,23 @@ class ConfigError(ValueError):
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions that report a user's mistake, not a bug: shown as one line, no traceback."""
     from captioning.checkpoint import CheckpointError
+    from captioning.data.features import CacheError
     from captioning.data.images import ImageLoadError
     from captioning.data.readers import DataError
 
     return (ConfigError, DataError, ImageLoadError, FloatingPointError, FileNotFoundError,
-            CheckpointError)
+            FileExistsError, PermissionError, NotADirectoryError, IsADirectoryError,
+            CheckpointError, CacheError)
+
+
+#: Errors of the disk or file system (not of the program): a full disk or quota, a file-size
+#: limit, a read-only file system, too many open files.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EMFILE,
+                         errno.EIO})
+
+
+def disk_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_ERRNOS
 
 
 def _type_name(text: str) -> str:
@@ -102,9 +117,9 @@ def exit_status(exc: BaseException) -> int | None:
         if exc.code == 1 and isinstance(exc.__context__, KeyboardInterrupt):
             return interrupted(exc.__context__)
         return None
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, (KeyboardInterrupt, Terminated)):  # Terminated: SIGTERM, see locks
         return interrupted(exc)
-    if isinstance(exc, user_error_types()):
+    if isinstance(exc, user_error_types()) or disk_error(exc):
         log.debug("user error", exc_info=exc)
         error(str(exc).strip() or type(exc).__name__)
         return 2 if isinstance(exc, ConfigError) else 1

@@ -1,16 +1,22 @@
 """`captioning fit|validate|test|predict --config ...`: LightningCLI with the project's rules.
 
-* checkpoints are checked (missing, unsafe pickle) before Lightning opens them, and read with
-  `torch.load(weights_only=True)`;
+* `--ckpt_path last|best|FOLDER` is resolved to one file (`commands.checkpoints`), and every
+  checkpoint is checked (missing, truncated, unsafe pickle, not a Lightning checkpoint) before
+  Lightning opens it, and read with `torch.load(weights_only=True)`;
 * with `--ckpt_path`, the checkpoint's model hyperparameters replace the config, except for the
   decoding and output settings the user gave (`USER_WINS`): `--model.decode.beam_size 5` at
-  test time decodes with beam 5;
+  test time decodes with beam 5; any other `--model.*` flag that disagrees with the checkpoint
+  (e.g. `--model.net.hidden_dim`) is an error naming both values;
+* `model.init_from: CKPT` starts a run from a trained model's weights (SCST after cross-entropy):
+  see `CaptioningCLI._apply_init_from`;
 * a constructor that refuses a value becomes a `ConfigError` (one line, exit status 2);
 * W&B's folders go inside the logger's `save_dir`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -20,12 +26,22 @@ from typing import Any
 
 import yaml
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from captioning.checkpoint import CheckpointError, check_checkpoint_file, upgrade_hparams
+from captioning.atomic import write_json_atomic
+from captioning.checkpoint import (
+    CheckpointError,
+    LoadedModel,
+    load_checkpoint,
+    read_checkpoint,
+    upgrade_hparams,
+)
+from captioning.commands.checkpoints import explicit_conflicts, resolve_ckpt_path
 from captioning.commands.configs import resolve_config_args
 from captioning.commands.errors import ConfigError, user_error_types
 from captioning.data.datamodule import CaptionDataModule
 from captioning.lit_module import CaptioningModule
+from captioning.locks import claim_folder
 from captioning.models.captioner import DecodeConfig
 from captioning.models.pretrained import (
     VOCAB_FILE,
@@ -34,11 +50,20 @@ from captioning.models.pretrained import (
     read_model_folder,
 )
 
+log = logging.getLogger(__name__)
+
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 #: Model settings that only affect decoding and outputs: a checkpoint's stored values give way
 #: to the ones the user set in a config file or on the command line.
 USER_WINS = (*(f"model.decode.{f.name}" for f in fields(DecodeConfig)), "model.compute_metrics",
              "model.results_dir", "model.compile", "model.net.hard_decode")
+#: Settings that only decide how a model is initialised: with a checkpoint every weight comes
+#: from it, so a flag that differs from the checkpoint's is no conflict.
+INIT_ONLY = ("model.net.weights", "model.init_from")
+#: Model settings that `model.init_from` never takes from its checkpoint: the new stage's own.
+INIT_FROM_KEEPS = ("_instantiator", "vocab_size", "init_from", "objective", "scst")
+#: Where `model.init_from` puts its checkpoint's vocabulary for the data module, in the run folder.
+INIT_FROM_VOCAB = "init_from_vocab.json"
 
 
 def wandb_dirs(run_dir: str | Path) -> dict[str, str]:
@@ -107,18 +132,30 @@ class CaptioningCLI(LightningCLI):
         sub = self.config.get("subcommand")
         ckpt_path = self.config[sub].get("ckpt_path") if sub else None
         if ckpt_path and is_pretrained_dir(ckpt_path):
-            self._apply_hparams(sub, self._use_model_folder(sub, Path(ckpt_path)))
+            self._apply_hparams(sub, self._use_model_folder(sub, Path(ckpt_path)), ckpt_path)
             return
-        data = check_checkpoint_file(ckpt_path) if sub else None
+        if not sub:
+            return
+        # `last`, `best` and folders become one file, checked like any other (checkpoints.py)
+        ckpt_path, data = resolve_ckpt_path(ckpt_path, self.config[sub]["trainer"], sub)
+        self.config[sub]["ckpt_path"] = ckpt_path
         if data is None:
             return
         hparams = upgrade_hparams(data.get("hyper_parameters") or {})
         hparams.pop("_instantiator", None)
         if hparams:
-            self._apply_hparams(sub, hparams)
+            self._apply_hparams(sub, hparams, ckpt_path)
 
-    def _apply_hparams(self, sub: str, hparams: dict[str, Any]) -> None:
+    def _apply_hparams(self, sub: str, hparams: dict[str, Any], source: str) -> None:
+        """The checkpoint's model settings replace the config's; a `--model.*` flag that
+        disagrees with them is an error, except the `USER_WINS` settings, which win."""
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
+        conflicts = explicit_conflicts(raw, self.config[sub], hparams,
+                                       (*USER_WINS, *INIT_ONLY))
+        if conflicts:
+            raise ConfigError(f"{'; '.join(conflicts)}: with a checkpoint the model settings "
+                              f"are those of {source}, except decoding and output; drop the "
+                              "flag, or start a new run without --ckpt_path")
         user = {k: self.config[sub].get(k) for k in USER_WINS if given(raw, k)}
         self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
         for k, v in user.items():
@@ -162,8 +199,66 @@ class CaptioningCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.image_size", "model.net.image_size")
 
+    def _apply_init_from(self) -> None:
+        """`model.init_from: CKPT` (a checkpoint file or an exported model folder): its network
+        (`net`) replaces the config's as with `--ckpt_path` (a `--model.net.*` flag that
+        disagrees is an error; `USER_WINS` settings the user gave win), and its other model
+        settings apply where the config leaves them unset, except `INIT_FROM_KEEPS`. Its
+        vocabulary becomes the data module's (`INIT_FROM_VOCAB` in the run folder), unless
+        `data.vocab_path` is given (then the two must agree). Only its weights are loaded, once
+        the model is built: no optimiser, loop or baseline state. A run with `--ckpt_path`
+        (resuming) restores everything from that checkpoint and ignores `init_from`."""
+        sub = self.subcommand
+        cfg = self.config[sub] if sub else None
+        path = cfg.get("model.init_from") if cfg is not None else None
+        if cfg is not None and cfg.get("model.objective") == "scst" and not (
+                path or cfg.get("ckpt_path")):
+            log.warning("objective scst without model.init_from: SCST from untrained weights")
+        if not path or cfg.get("ckpt_path"):
+            return
+        loaded = load_checkpoint(path)  # the one safe reader: missing or unsafe -> one line
+        hp = {} if Path(path).is_dir() else upgrade_hparams(
+            read_checkpoint(path, mmap=True).get("hyper_parameters") or {})
+        raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
+        carried = {k: v for k, v in hp.items() if k not in (*INIT_FROM_KEEPS, "net", "decode")
+                   and k in cfg["model"] and not given(raw, f"model.{k}")}
+        self._apply_hparams(sub, {**carried, "net": {**loaded.config.to_dict(), "weights": None},
+                                  "decode": loaded.decode.to_dict()}, path)
+        if not given(raw, "data.vocab_path"):
+            root = Path(str(self.config[sub].get("trainer.default_root_dir") or "."))
+            root.mkdir(parents=True, exist_ok=True)
+            self.config[sub]["data"]["vocab_path"] = str(write_json_atomic(
+                root / INIT_FROM_VOCAB, loaded.vocab.to_dict()))
+        self._init_from: LoadedModel | None = loaded
+        log.info("model.init_from %s: its network, vocabulary (%d words) and weights", path,
+                 len(loaded.vocab))
+
+    def after_instantiate_classes(self) -> None:
+        """`model.init_from`: the checkpoint's weights into the built model (see above)."""
+        loaded = getattr(self, "_init_from", None)
+        if loaded is None:
+            return
+        self._init_from = None
+        if self.datamodule.vocab != loaded.vocab:
+            raise CheckpointError(
+                f"model.init_from {loaded.path}: its vocabulary ({len(loaded.vocab)} words) "
+                f"differs from data.vocab_path's ({len(self.datamodule.vocab)} words); drop "
+                "data.vocab_path to use the checkpoint's")
+        self.model.captioner.load_state_dict(loaded.captioner.state_dict())
+
+    def __init__(self, *args: Any, claims: contextlib.ExitStack | None = None,
+                 **kwargs: Any) -> None:
+        self._claims = claims
+        super().__init__(*args, **kwargs)
+
     def before_instantiate_classes(self) -> None:
+        self._apply_init_from()
         cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        root = cfg.get("trainer", {}).get("default_root_dir")
+        if self.subcommand and root and self._claims is not None and rank_zero_only.rank == 0:
+            # one run per run folder: a second one would mix its files with this one's (the
+            # other processes of a DDP run are the same run: global rank zero holds it)
+            self._claims.enter_context(claim_folder(root))
         logger = cfg.get("trainer", {}).get("logger")
         for lg in logger if isinstance(logger, list) else [logger]:
             if hasattr(lg, "get") and "Wandb" in str(lg.get("class_path", "")):
@@ -178,13 +273,16 @@ def lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> Captioning
     """Build (and with `run`, run) the CLI on `args` (None: `sys.argv`). A config flag may name
     a shipped config (`--config paper_soft`). Parse errors raise `ArgumentError`, reported in
     one line, instead of printing the usage and exiting."""
-    no_exit = {"exit_on_error": False}
+    # No prefix matching: `--trainer.max_epoch 2` is an error, as the same key in YAML is.
+    no_exit = {"exit_on_error": False, "allow_abbrev": False}
     args = resolve_config_args(sys.argv[1:] if args is None else args)
-    return CaptioningCLI(
-        CaptioningModule,
-        CaptionDataModule,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={**no_exit, **{c: dict(no_exit) for c in LIGHTNING_COMMANDS}},
-        args=args,
-        run=run,
-    )
+    with contextlib.ExitStack() as claims:  # the run folder, held while the command runs
+        return CaptioningCLI(
+            CaptioningModule,
+            CaptionDataModule,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={**no_exit, **{c: dict(no_exit) for c in LIGHTNING_COMMANDS}},
+            args=args,
+            run=run,
+            claims=claims,
+        )

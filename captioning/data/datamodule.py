@@ -35,8 +35,12 @@ from captioning.data.datasets import (
     TokenIndex,
 )
 from captioning.data.images import ImageLoadError, check_image
-from captioning.data.readers import DataError, ImageRecord, Problem
-from captioning.data.samplers import BucketBatchSampler, EpochShuffleSampler
+from captioning.data.readers import DataError, ImageRecord, Problem, split_overlaps
+from captioning.data.samplers import (
+    BucketBatchSampler,
+    EpochShuffleSampler,
+    ResumableDataLoader,
+)
 from captioning.data.sources import DataSource, ObjectBoxes, ShapesSource
 from captioning.data.transforms import build_image_transform
 from captioning.vocab import Vocabulary
@@ -83,6 +87,8 @@ class CaptionDataModule(L.LightningDataModule):
     readers and to the image-file checks done by `setup` when `validate_images` (every referenced
     image is checked with `check_image` before the first step). What was skipped is counted in
     `skipped` ({"captions", "images", "image_files"}) and logged.
+    `cache_verify`: how much of a feature cache is checked when opened (see `features`): every
+    block's hash (`full`), each block on its first read (`lazy`), or sizes only (`size`).
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class CaptionDataModule(L.LightningDataModule):
         validate_images: bool = True,
         feature_cache: bool = True,
         cache_dir: str | None = None,
+        cache_verify: Literal["full", "lazy", "size"] = "full",
     ) -> None:
         super().__init__()
         _check_arguments(source, on_bad_data, max_caption_length=max_caption_length,
@@ -134,6 +141,9 @@ class CaptionDataModule(L.LightningDataModule):
         self.validate_images = validate_images
         self.feature_cache = feature_cache
         self.cache_dir = cache_dir
+        if cache_verify not in ("full", "lazy", "size"):
+            raise ValueError(f"cache_verify must be full, lazy or size, got {cache_verify!r}")
+        self.cache_verify = cache_verify
         self._init_state()
         if hflip:
             log.warning("hflip=True: flipped images make left/right in their captions false")
@@ -166,6 +176,9 @@ class CaptionDataModule(L.LightningDataModule):
         t0 = time.perf_counter()
         read = self.source.read(self.on_bad_data)
         by_split = read.splits
+        leaks = split_overlaps(by_split, self.source.describe)
+        if leaks:
+            raise DataError(leaks)
         self.skipped["captions"] += read.skipped_captions
         self.skipped["images"] += read.skipped_images
         self.problems += read.problems
@@ -355,7 +368,8 @@ class CaptionDataModule(L.LightningDataModule):
             encoder_config=self._encoder_config, image_size=self.image_size,
             paths=[r.path for r in records], transform=self.image_transform(False),
             batch_size=self.eval_batch_size, num_workers=self.num_workers,
-            device=self._cache_device, progress=f"caching {split} features")
+            device=self._cache_device, progress=f"caching {split} features",
+            verify=self.cache_verify)
 
     def _train_tokens(self, records: list[ImageRecord]) -> TokenIndex:
         """Tokens of every caption of `records` (cached for the current training records)."""
@@ -402,7 +416,9 @@ class CaptionDataModule(L.LightningDataModule):
             sampler = BucketBatchSampler(EpochShuffleSampler(len(ds), seed=self.seed),
                                          self.batch_size, False, lengths=ds.lengths,
                                          seed=self.seed)
-            return DataLoader(ds, batch_sampler=sampler, **self._loader_kwargs())
+            # resumable: a mid-epoch checkpoint continues its epoch (see ResumableDataLoader)
+            return ResumableDataLoader(ds, batch_sampler=sampler, **self._loader_kwargs())
+        # not resumable within an epoch: Lightning warns and starts that epoch's data afresh
         generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(ds, batch_size=self.batch_size, shuffle=True, generator=generator,
                           **self._loader_kwargs())

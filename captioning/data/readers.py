@@ -394,3 +394,22 @@ def read_coco_captions(
                                    tuple(caps)))
 
     return report.finish(records, on_error)
+
+
+def split_overlaps(by_split: dict[str, list[ImageRecord]],
+                   describe: Callable[[str], str]) -> list[Problem]:
+    """One Problem per image file listed in two splits (by resolved path, whatever its ids):
+    a test or val image that is also a training image would leak into training. `describe`
+    names the file a split was read from."""
+    first: dict[Path, ImageRecord] = {}
+    problems = []
+    for split in sorted(by_split, key=lambda s: (s != "train", s)):
+        for r in by_split[split]:
+            key = Path(r.path).resolve()
+            seen = first.setdefault(key, r)
+            if seen is not r and seen.split != r.split:
+                problems.append(Problem(
+                    describe(r.split), f"image id {r.image_id} ({r.split})", "image",
+                    f"{r.path} is also in the {seen.split} split as image id {seen.image_id} "
+                    f"({describe(seen.split)}); an image belongs to one split"))
+    return problems

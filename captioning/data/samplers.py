@@ -1,11 +1,14 @@
-"""Training samplers: a (seed, epoch)-determined shuffle and length-bucketed batches."""
+"""Training samplers: a (seed, epoch)-determined shuffle, length-bucketed batches, and a
+DataLoader that resumes within an epoch."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
-from torch.utils.data import BatchSampler, RandomSampler, Sampler
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
 
 class EpochShuffleSampler(RandomSampler):
@@ -36,7 +39,8 @@ class BucketBatchSampler(BatchSampler):
     The indices of `sampler` (already shuffled, and sharded under DDP) are cut into pools of
     `batch_size * bucket_size_multiplier`; each pool is sorted by length and cut into batches,
     and the batch order is shuffled with (seed, epoch). Every index the sampler yields lands in
-    exactly one batch. The epoch is taken from `sampler.epoch` when it has one (Lightning calls
+    exactly one batch. `start` skips the first batches of the next pass (then returns to 0):
+    `ResumableDataLoader` sets it to continue an epoch. The epoch is taken from `sampler.epoch` when it has one (Lightning calls
     `set_epoch` on the inner sampler), so all ranks agree. Under Lightning DDP the `sampler`
     argument is replaced by a `DistributedSampler`, giving each rank a disjoint shard (padded by
     repetition when the size does not divide, like any DistributedSampler).
@@ -50,6 +54,7 @@ class BucketBatchSampler(BatchSampler):
             raise ValueError("bucket_size_multiplier must be >= 1")
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.seed, self.shuffle, self._epoch = seed, shuffle, 0
+        self.start = 0  # batches of the next pass to skip (resuming within an epoch)
         self.bucket_size_multiplier = bucket_size_multiplier
 
     @property
@@ -81,4 +86,63 @@ class BucketBatchSampler(BatchSampler):
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch, 1]).permutation(len(batches))
             batches = [batches[i] for i in order]
-        yield from batches
+        start, self.start = self.start, 0
+        yield from batches[start:]
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a `BucketBatchSampler` whose place within an epoch is saved in
+    Lightning checkpoints and restored on resume (Lightning's stateful-loader interface,
+    `state_dict` / `load_state_dict`), so that a mid-epoch checkpoint continues its epoch:
+    no batch is repeated or skipped.
+
+    The state is (epoch, batches handed out to the training loop in it), counted as the loop
+    receives them, not as the workers prefetch them. Resuming sets the sampler's epoch and
+    skips that many batches by index (no data is loaded for them); the order is (seed,
+    epoch)-determined, so the rest of the epoch is the interrupted run's. The iterator made
+    for the rest of the epoch leaves the global RNG as the checkpoint restored it, so dropout
+    continues where it stopped. With workers, their iterator starts at the first batch, after
+    Lightning has set the epoch (Lightning makes the first iterator before). Under DDP every
+    rank hands out the same number of batches, so rank 0's state, the one in the checkpoint,
+    fits every rank's shard.
+    """
+
+    _epoch = -1  # the epoch of the pass under way
+    _done = 0  # batches of that epoch handed out (or to skip, while a resume is pending)
+    _resume = False
+
+    def state_dict(self) -> dict[str, int]:
+        epoch = self._sampler_epoch()
+        return {"epoch": epoch, "batches": self._done if epoch == self._epoch else 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._epoch, self._done, self._resume = int(state["epoch"]), int(state["batches"]), True
+        if callable(getattr(self.batch_sampler, "set_epoch", None)):
+            self.batch_sampler.set_epoch(self._epoch)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        resume = self._resume and self._done < len(self)  # not a pass that had ended
+        # Without workers the iterator is made now, as a plain DataLoader's is (the same draw
+        # from the RNG at the same point); the sampler itself starts at the first batch.
+        inner = None if self.num_workers > 0 else self._start(resume)
+        return self._pass(inner, resume)
+
+    def _sampler_epoch(self) -> int:
+        return int(getattr(self.batch_sampler, "epoch", 0))
+
+    def _start(self, resume: bool) -> Iterator[Any]:
+        if not resume:
+            return super().__iter__()
+        with torch.random.fork_rng(devices=[]):  # training goes on with the checkpoint's RNG
+            return super().__iter__()
+
+    def _pass(self, inner: Iterator[Any] | None, resume: bool) -> Iterator[Any]:
+        """One pass (the rest of the epoch, when resuming), counting the batches handed out."""
+        epoch, skips = self._sampler_epoch(), hasattr(self.batch_sampler, "start")
+        start = self._done if resume and skips and epoch == self._epoch else 0
+        self._epoch, self._done, self._resume = epoch, start, False
+        if skips:
+            self.batch_sampler.start = start
+        for batch in inner if inner is not None else self._start(resume):
+            self._done += 1
+            yield batch

@@ -136,6 +136,25 @@ class CaptionerConfig(_PlainConfig):
     n_layers_att: int = 1
     n_layers_init: int = 1
 
+    def __post_init__(self) -> None:
+        """Refuse impossible values at construction, before any weights load (one line)."""
+        for name in ("embed_dim", "hidden_dim", "attn_dim", "image_size", "n_layers_att",
+                     "n_layers_init"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"net.{name} must be >= 1, got {getattr(self, name)}")
+        if self.vocab_size < 0 or (self.grid_size is not None and self.grid_size < 1):
+            raise ValueError(f"net.vocab_size must be >= 0 and net.grid_size >= 1 (or null), "
+                             f"got {self.vocab_size} and {self.grid_size}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"net.dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.semi_sampling_prob <= 1.0:
+            raise ValueError(f"net.semi_sampling_prob must be in [0, 1], "
+                             f"got {self.semi_sampling_prob}")
+        if self.gumbel_anneal_steps < 0:
+            raise ValueError(f"net.gumbel_anneal_steps must be >= 0, "
+                             f"got {self.gumbel_anneal_steps}")
+        self.gumbel_schedule()  # validates the temperatures
+
     def gumbel_schedule(self) -> GumbelSchedule:
         """The Gumbel-softmax temperature schedule of these settings."""
         return GumbelSchedule(start=self.gumbel_tau_start, end=self.gumbel_tau_end,

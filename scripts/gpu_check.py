@@ -1,0 +1,445 @@
+"""`make gpu-check`: the GPU tests and the speed figures of a CUDA machine, in one table.
+
+    python scripts/gpu_check.py                     # CUDA: the paper configuration
+    python scripts/gpu_check.py --cpu               # every stage at tiny sizes on the CPU
+    python scripts/gpu_check.py --stages train,beam --coco-images 20000
+
+Stages (rows of the table):
+
+* `tests`: `pytest -m gpu` (passed, failed and skipped counts);
+* `train`: cached training at the paper configuration (VGG-19 14x14x512 grids, embedding and
+  attention 512, LSTM 1800), batch 64 and 128, bf16-mixed and fp32: pairs/s, step time, data
+  wait, peak GPU memory and GPU utilisation (mean over the timed steps);
+* `coco`: cached training (bf16-mixed, batch 64) from a COCO-size cache: 113,287 synthetic
+  196x512 float16 grids (22.7 GB), or as many as 80% of the free disk holds (the row says how
+  many). They are written through the feature cache's own build path, random grids standing in
+  for the CNN, then dropped from the page cache (`posix_fadvise`), so the run reads the disk;
+* `uncached`: training that decodes JPEGs (640x480, COCO's usual size) in 8 DataLoader workers
+  and runs VGG-19 on every batch, with the share of step time spent waiting for data;
+* `beam`: beam search captions/s at beam 3 and 5, 100 and 500 images per batch (bf16-mixed;
+  `<end>` disabled, so that every caption runs 20 steps);
+* `overlay`: `captioning.viz.render_strips` strips/s on the device (64 captions x 16 words,
+  224 px, 14x14 grid, bicubic);
+* `ddp`: with 2 or more GPUs, cached training on all of them (DDP, bf16-mixed, batch 64 per
+  GPU) and its scaling efficiency: global pairs/s / (GPUs x one GPU's pairs/s).
+
+The training and beam rows are `scripts/benchmark.py`'s workers, each in a fresh process, one
+after another (peaks are per row; no row disturbs another). Captions are synthetic COCO-like
+ones (10k-word vocabulary) over the shapes images. `--cpu` (automatic without CUDA) runs every
+stage at tiny sizes (resnet18 at 64 px, 4x4 grid, a 32-unit decoder) in this process, with the
+GPU tests and a 2-process DDP run (gloo) in subprocesses alongside: it checks the command, and
+its figures mean nothing. The exit status is 1 when a GPU test or a stage failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmark workers
+import benchmark
+import benchmark_overlays
+
+log = logging.getLogger("gpu_check")
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("tests", "train", "coco", "uncached", "beam", "overlay", "ddp")
+COCO_TRAIN_IMAGES = 113_287  # Karpathy's COCO train split, restval included
+
+
+@dataclass
+class Check:
+    """What every stage needs: the mode, the work folder, the workers' base spec, sizes."""
+
+    cpu: bool
+    work: Path
+    base: dict[str, Any]
+    threads: int | None
+    coco_images: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    single: dict[tuple[str, int], float] = field(default_factory=dict)  # one device's pairs/s
+    failed: bool = False
+
+    @property
+    def loader_workers(self) -> int:
+        return 2 if self.cpu else 8
+
+    def run(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """A benchmark worker: in this process on the CPU, else in a fresh one."""
+        if self.cpu:
+            return benchmark.WORKERS[spec["kind"]](spec)
+        return benchmark.run_worker(spec, self.threads)
+
+    def train_spec(self, precision: str, batch: int, **kw: Any) -> dict[str, Any]:
+        return {**self.base, "kind": "train", "attention": "soft", "cached": True,
+                "num_workers": 0 if self.cpu else 4, "precision": precision,
+                "batch_size": batch, "sample_gpu": not self.cpu, **kw}
+
+    def add(self, stage: str, config: str, result: str = "", **cols: Any) -> None:
+        self.rows.append({"stage": stage, "config": config, "result": result, **cols})
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages
+
+
+def train_row(check: Check, stage: str, config: str, res: dict[str, Any], *,
+              notes: str = "", world: int = 1) -> float:
+    """Add a training row from a worker's result; returns its (global) pairs/s."""
+    s = benchmark.summarize_train([res])
+    rate = s["captions_per_s"] * world
+    util = res.get("gpu_util")
+    check.add(stage, config, f"{rate:.1f} pairs/s", step_ms=f"{s['step_ms']:.0f}",
+              wait=f"{100 * s['wait']:.1f}%", peak=f"{s['peak_mb']:.0f}",
+              util="" if util is None else f"{util:.0f}%",
+              notes="; ".join(x for x in (notes, res.get("notes", "")) if x))
+    return rate
+
+
+def stage_train(check: Check) -> None:
+    for precision in ("bf16-mixed", "32-true"):
+        for batch in ((4, 8) if check.cpu else (64, 128)):
+            res = check.run(check.train_spec(precision, batch))
+            rate = train_row(check, "train", f"cached, {precision}, batch {batch}", res)
+            check.single[(precision, batch)] = rate
+
+
+def stage_uncached(check: Check) -> None:
+    split_file, image_root, size = jpeg_set(check)
+    spec = check.train_spec("bf16-mixed", check.base["batch_size"], cached=False,
+                            num_workers=check.loader_workers, split_file=split_file,
+                            image_root=image_root)
+    train_row(check, "train uncached", f"JPEG, bf16-mixed, batch {spec['batch_size']}",
+              check.run(spec), notes=f"{check.loader_workers} loader workers decoding "
+                                     f"{size} JPEGs; the CNN runs on every batch")
+
+
+def stage_coco(check: Check) -> None:
+    spec, notes = synthesize_coco_cache(check)
+    cache_dir = Path(spec["cache_dir"])
+    before = len(list(cache_dir.glob("*.npy")))
+    res = check.run(spec)
+    if len(list(cache_dir.glob("*.npy"))) > before + 1:  # train found, only val built
+        notes += "; WARNING: the run did not find the synthetic train cache"
+    train_row(check, "train COCO-size", f"cached, bf16-mixed, batch {spec['batch_size']}", res,
+              notes=notes)
+
+
+def stage_beam(check: Check) -> None:
+    images = 20 if check.cpu else 1000
+    for beam in (3, 5):
+        for batch in ((5, 10) if check.cpu else (100, 500)):
+            spec = {**check.base, "kind": "beam", "attention": "soft", "num_workers": 0,
+                    "precision": "bf16-mixed", "beam_size": beam, "max_len": 20,
+                    "beam_images": images, "batch_size": batch}
+            res = check.run(spec)
+            check.add("beam search", f"beam {beam}, {batch} images per batch",
+                      f"{res['captions_per_s']:.1f} captions/s", step_ms=f"{res['step_ms']:.0f}",
+                      peak=f"{res['peak_mb']:.0f}", notes=res["notes"])
+
+
+def stage_overlay(check: Check) -> None:
+    device = torch.device("cpu" if check.cpu else "cuda")
+    sizes = dict(captions=8, words=6, size=64, grid=4) if check.cpu else \
+        dict(captions=64, words=16, size=224, grid=14)
+    per_s, ms, _ = benchmark_overlays.bench(device, upsample="bicubic", hard=False, warmup=2,
+                                            repeats=5, **sizes)
+    check.add("overlays", f"render_strips on {device.type}", f"{per_s:.1f} strips/s",
+              step_ms=f"{ms:.0f}", notes=f"{sizes['captions']} captions x {sizes['words']} "
+              f"words, {sizes['size']} px, {sizes['grid']}x{sizes['grid']} grid, bicubic")
+
+
+def ddp_spec(check: Check) -> dict[str, Any] | None:
+    """The DDP row's spec (all GPUs; 2 processes with --cpu), or None with fewer than 2 GPUs."""
+    n = 2 if check.cpu else torch.cuda.device_count()
+    if n < 2:
+        return None
+    batch = check.base["batch_size"]
+    return check.train_spec("bf16-mixed", batch, devices=n,
+                            cache_dir=str(check.work / "features_ddp"))
+
+
+def stage_ddp(check: Check, res: dict[str, Any] | None) -> None:
+    """The DDP row from its worker's result (None: fewer than 2 GPUs)."""
+    if res is None:
+        check.add("ddp", "all GPUs, bf16-mixed", "skipped", notes="fewer than 2 GPUs")
+        return
+    n, batch = res["world_size"], check.base["batch_size"]
+    single = check.single.get(("bf16-mixed", batch))
+    if single is None:
+        single = benchmark.summarize_train([check.run(check.train_spec("bf16-mixed", batch))])[
+            "captions_per_s"]
+    rate = train_row(check, "ddp", f"{n} {'processes' if check.cpu else 'GPUs'}, bf16-mixed, "
+                     f"batch {batch} each", res, world=n)
+    check.rows[-1]["notes"] = (f"scaling efficiency {100 * rate / (n * single):.0f}% "
+                               f"(1 device: {single:.1f} pairs/s); " + check.rows[-1]["notes"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def jpeg_set(check: Check) -> tuple[str, str, str]:
+    """The shapes train and val images as JPEGs (640x480, quality 90; 96x72 with --cpu) and a
+    COCO-like Karpathy file over them: (split file, image folder, size)."""
+    from PIL import Image
+
+    w, h = (96, 72) if check.cpu else (640, 480)
+    folder = check.work / "jpeg"
+    folder.mkdir(exist_ok=True)
+    names: dict[str, list[str]] = {"train": [], "val": []}
+    for split, found in names.items():
+        for png in sorted((Path(check.base["root"]) / "images").glob(f"{split}_*.png")):
+            name = png.with_suffix(".jpg").name
+            if not (folder / name).exists():
+                with Image.open(png) as im:
+                    im.convert("RGB").resize((w, h), Image.BICUBIC).save(folder / name,
+                                                                          quality=90)
+            found.append(name)
+    split = benchmark.make_coco_karpathy(
+        check.work / "jpeg_captions.json", filenames=names, captions=0,
+        splits={"train": 64 if check.cpu else 20_000, "val": len(names["val"])})
+    return str(split), str(folder), f"{w}x{h}"
+
+
+class RandomGrids(torch.nn.Module):
+    """Stands in for the frozen CNN when synthesising a cache: random post-ReLU (B, L, D)
+    grids, whatever the images."""
+
+    def __init__(self, locations: int, dim: int) -> None:
+        super().__init__()
+        self.locations, self.dim = locations, dim
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the cache build asks its device
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.randn(images.size(0), self.locations, self.dim).relu_()
+
+
+def grid_of(base: dict[str, Any]) -> tuple[int, int]:
+    """(L, D) of the check's annotation grids."""
+    from captioning.models.encoder import BACKBONES
+
+    if base["paper"]:
+        return 14 * 14, BACKBONES["vgg19"].dim
+    return base["grid_size"] ** 2, BACKBONES[base["encoder"]].dim
+
+
+def coco_count(check: Check, row_bytes: int) -> tuple[int, str]:
+    """How many grids to synthesise: COCO's train split, or what 80% of the free disk holds."""
+    want = check.coco_images
+    free = shutil.disk_usage(check.work).free
+    n = min(want, int(0.8 * free) // row_bytes)
+    why = f"{n:,} of {want:,} grids" + (" (all the free disk holds)" if n < want else "")
+    return n, f"{why}, {n * row_bytes / 1e9:.1f} GB"
+
+
+def linked_images(folder: Path, n: int) -> list[str]:
+    """`n` image files (hard links of one small JPEG, copies where links fail)."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    seed = folder / "seed.jpg"
+    Image.new("RGB", (32, 32), (120, 90, 60)).save(seed)
+    names = [f"img_{i:06d}.jpg" for i in range(n)]
+    for name in names:
+        target = folder / name
+        if not target.exists():
+            try:
+                os.link(seed, target)
+            except OSError:
+                shutil.copyfile(seed, target)
+    return names
+
+
+def synthesize_coco_cache(check: Check) -> tuple[dict[str, Any], str]:
+    """Write the COCO-size train cache through `FeatureCache.build` (random grids for the CNN)
+    and return the training row's spec and notes. The grids' key is the one the row's model
+    computes (same seed, same encoder weights), so the row finds them."""
+    import lightning.pytorch as L
+
+    folder, n_val = check.work / "coco_size", 8 if check.cpu else 64
+    spec = check.train_spec("bf16-mixed", check.base["batch_size"], cache_verify="size",
+                            cache_dir=str(folder / "features"),
+                            num_workers=check.loader_workers)
+    locations, dim = grid_of(check.base)
+    n, notes = coco_count(check, locations * dim * 2)
+    t0 = time.perf_counter()
+    names = linked_images(folder / "images", n + n_val)
+    split = benchmark.make_coco_karpathy(folder / "captions.json", filenames=names, captions=0,
+                                         splits={"train": n, "val": n_val})
+    spec.update(split_file=str(split), image_root=str(folder / "images"))
+    L.seed_everything(0, verbose=False)
+    module, dm = benchmark.build_run(spec, cached=True)
+    dm.use_encoder_cache(RandomGrids(locations, dim), module.captioner.feature_cache_key(),
+                         device="cpu")
+    cache = dm.cache_features(["train"])["train"]
+    _drop_from_page_cache(cache.array_path)
+    notes += f"; synthesised in {time.perf_counter() - t0:.0f} s, dropped from the page cache"
+    return spec, notes
+
+
+def _drop_from_page_cache(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError) as e:
+        log.warning("could not drop %s from the page cache: %s", path, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tests
+
+
+def start_gpu_tests() -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
+                             "-p", "no:cacheprovider", str(ROOT / "tests")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_gpu_tests(check: Check, proc: subprocess.Popen[str]) -> None:
+    out, _ = proc.communicate()
+    counts = {k: 0 for k in ("passed", "failed", "skipped", "error")}
+    summary = out.strip().splitlines()[-1] if out.strip() else ""
+    for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary):
+        counts[what.rstrip("s") if what.startswith("error") else what] += int(n)
+    bad = counts["failed"] + counts["error"]
+    if bad or proc.returncode not in (0, 5):  # 5: nothing collected
+        check.failed = True
+        log.error("pytest -m gpu:\n%s", out[-4000:])
+    check.add("gpu tests", "pytest -m gpu", f"{counts['passed']} passed, {bad} failed",
+              notes=f"{counts['skipped']} skipped" + (" (no CUDA)" if check.cpu else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestration
+
+
+def prepare(args: argparse.Namespace, work: Path) -> Check:
+    """The check's shapes data and base spec: the paper configuration on a GPU, tiny sizes
+    with --cpu."""
+    if args.cpu:
+        base = benchmark.make_base(work, encoder="resnet18", grid_size=4, tiny=True,
+                                   batch_size=4, num_train=16, num_val=8, image_size=64,
+                                   steps=2, warmup=1, threads=args.threads or 1)
+    else:
+        base = benchmark.make_base(work, device="cuda", paper=True, batch_size=64,
+                                   num_train=640, num_val=64, image_size=224,
+                                   steps=args.steps, warmup=args.warmup, threads=args.threads)
+    return Check(cpu=args.cpu, work=work, base=base, threads=base["threads"],
+                 coco_images=args.coco_images or (256 if args.cpu else COCO_TRAIN_IMAGES))
+
+
+def run_stage(check: Check, name: str, fn: Callable[[], None]) -> None:
+    """Run a stage; a failure becomes its row (and exit status 1), and the next stage runs."""
+    log.info("stage: %s", name)
+    t0 = time.perf_counter()
+    try:
+        fn()
+        log.info("stage %s: %.0f s", name, time.perf_counter() - t0)
+    except Exception as e:  # one broken stage must not hide the others' figures
+        log.exception("stage %s failed", name)
+        check.failed = True
+        check.add(name, "", "FAILED", notes=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def run_checks(args: argparse.Namespace, check: Check) -> None:
+    """Every stage asked for. On a GPU one after another, the GPU tests first; with --cpu the
+    tests and the DDP run go on in subprocesses while the others run here."""
+    stages = args.stages.split(",")
+    tests = start_gpu_tests() if "tests" in stages else None
+    if tests is not None and not check.cpu:
+        finish_gpu_tests(check, tests)
+    spec = ddp_spec(check) if "ddp" in stages else None
+    ddp = benchmark.start_worker(spec, check.threads) if spec and check.cpu else None
+    steps = {"train": stage_train, "coco": stage_coco, "uncached": stage_uncached,
+             "beam": stage_beam, "overlay": stage_overlay}
+    for name in STAGES:
+        if name in steps and name in stages:
+            run_stage(check, name, lambda f=steps[name]: f(check))
+    if "ddp" in stages:
+        def ddp_row() -> None:
+            res = benchmark.finish_worker(ddp, "train") if ddp is not None else (
+                check.run(spec) if spec else None)
+            stage_ddp(check, res)
+        run_stage(check, "ddp", ddp_row)
+    if tests is not None and check.cpu:
+        finish_gpu_tests(check, tests)
+
+
+def print_table(check: Check) -> None:
+    mode = ("CPU fallback: tiny sizes (resnet18 at 64 px, 4x4 grid, 32-unit decoder); the "
+            "figures only show that every stage runs") if check.cpu else (
+        "paper configuration: VGG-19 14x14x512 (random weights, frozen), embed/attn 512, "
+        f"LSTM 1800; {check.base['steps']} timed steps per training row after "
+        f"{check.base['warmup']} warm-up steps; medians")
+    print(f"\nmachine: {benchmark.describe_machine(check.base['device'], check.threads)}")
+    print(f"gpu-check, {mode}")
+    cols = [("stage", "stage"), ("configuration", "config"), ("result", "result"),
+            ("step ms", "step_ms"), ("data wait", "wait"), ("peak MB", "peak"),
+            ("GPU util", "util"), ("notes", "notes")]
+    width = {k: max(len(h), *(len(str(r.get(k, ""))) for r in check.rows)) for h, k in cols}
+    print("| " + " | ".join(h.ljust(width[k]) for h, k in cols) + " |")
+    print("|" + "|".join("-" * (width[k] + 2) for _, k in cols) + "|")
+    for r in check.rows:
+        print("| " + " | ".join(str(r.get(k, "")).ljust(width[k]) for _, k in cols) + " |")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true",
+                   help="every stage at tiny sizes on the CPU (automatic without CUDA)")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help=f"comma-separated subset of: {','.join(STAGES)}")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per training row")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--coco-images", type=int, default=None,
+                   help=f"grids of the COCO-size cache (default {COCO_TRAIN_IMAGES:,}; 256 "
+                        "with --cpu), fewer when the disk is short")
+    p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads")
+    p.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    unknown = set(args.stages.split(",")) - set(STAGES)
+    if unknown:
+        p.error(f"unknown stages {sorted(unknown)}; choose from {','.join(STAGES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not args.cpu and not torch.cuda.is_available():
+        log.info("no CUDA device: running the CPU fallback (tiny sizes)")
+        args.cpu = True
+    if args.cpu:
+        torch.set_num_threads(args.threads or 1)
+    with tempfile.TemporaryDirectory(prefix="captioning-gpu-check-") as tmp:
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        check = prepare(args, work)
+        run_checks(args, check)
+    print_table(check)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": check.cpu, "rows": check.rows}, indent=2))
+    return 1 if check.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""`captioning ablate`: a tiny grid end to end (a failing variant, resume), the dry run, the
+shipped grid, and the table and plot from known rows."""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from PIL import Image
+
+from captioning.cli import main
+from captioning.commands.ablate import GRID_DIR, find_grid, load_grid, plan_cells
+from captioning.commands.ablation_report import (
+    error_line,
+    summarise,
+    table_markdown,
+    write_plot,
+)
+
+TINY_GRID = {
+    "base": {"configs": ["trainer/cpu", "data/shapes"],
+             "overrides": {"trainer.enable_progress_bar": False},
+             "without": ["WandbLogger", "AttentionOverlayCallback"]},
+    "seeds": [0, 1],
+    "metrics": ["BLEU-4", "pointing_accuracy", "train_seconds", "alpha_entropy"],
+    "variants": {"soft/additive": {"configs": ["model/demo_soft"]},
+                 "soft/dot": {"configs": ["model/demo_soft"], "model.net.score": "dot"},
+                 "bad": {"configs": ["model/demo_soft"], "model.net.score": "bogus"}},
+}
+
+
+@pytest.fixture
+def tiny_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny cells: one thread is faster on 2 cores
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY_GRID, sort_keys=False))
+    return path
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(path.open()))
+
+
+def test_tiny_grid_end_to_end_with_a_failing_variant_and_resume(tiny_grid: Path) -> None:
+    """First an "interrupted" grid (one variant), then the whole grid: the finished cells are
+    kept, the others train, the bad variant fails with its error and does not stop the grid."""
+    args = ["ablate", "--grid", str(tiny_grid), "--tiny", "--out", "out", "--runs", "runs"]
+    assert main([*args, "--only", "soft/additive"]) == 0
+    first = {s: Path(f"runs/soft/additive/seed{s}/cell_result.json").stat().st_mtime_ns
+             for s in (0, 1)}
+    assert [(r["variant"], r["status"]) for r in read_csv(Path("out/results.csv"))] == \
+        [("soft/additive", "ok")] * 2
+
+    assert main(args) == 1  # a cell failed
+    for seed, mtime in first.items():  # not retrained
+        assert Path(f"runs/soft/additive/seed{seed}/cell_result.json").stat().st_mtime_ns == mtime
+    rows = read_csv(Path("out/results.csv"))
+    assert [(r["variant"], r["seed"], r["status"]) for r in rows] == [
+        ("soft/additive", "0", "ok"), ("soft/additive", "1", "ok"), ("soft/dot", "0", "ok"),
+        ("soft/dot", "1", "ok"), ("bad", "0", "failed"), ("bad", "1", "failed")]
+    assert list(rows[0]) == ["variant", "seed", "status", "error", "BLEU-4", "pointing_accuracy",
+                             "train_seconds", "alpha_entropy", "seconds", "config"]
+    for r in rows[:4]:
+        assert r["error"] == "" and 0 <= float(r["BLEU-4"]) <= 1
+        assert 0 < float(r["alpha_entropy"]) <= math.log(16) + 1e-6  # a 4x4 grid at 64 px
+        assert 0 < float(r["train_seconds"]) < float(r["seconds"])
+    for r in rows[4:]:
+        assert r["error"].startswith("--model.net.score: invalid value 'bogus'"), r["error"]
+        assert r["BLEU-4"] == ""
+
+    table = Path("out/table.md").read_text()
+    entropies = [float(r["alpha_entropy"]) for r in rows[2:4]]
+    expected = f"{statistics.fmean(entropies):.3f} ± {statistics.stdev(entropies):.3f}"
+    dot_line = next(ln for ln in table.splitlines() if ln.startswith("| soft/dot |"))
+    assert "| 2/2 |" in dot_line and expected in dot_line
+    assert next(ln for ln in table.splitlines() if ln.startswith("| bad |")).count("–") == 4
+    assert "Failed cells: 2." in table and "- bad seed 1: --model.net.score: invalid" in table
+    with Image.open("out/plot.png") as img:
+        assert img.format == "PNG" and img.width > 300 and img.height > 100
+    test_metrics = Path("runs/soft/dot/seed0/test_metrics.json")
+    assert test_metrics.is_file()  # each cell's own run folder
+
+
+def test_dry_run_lists_every_cell(tiny_grid: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ablate", "--grid", str(tiny_grid), "--dry-run", "--seeds", "0,1,2",
+                 "--out", "out"]) == 0
+    out = capsys.readouterr().out
+    for variant in TINY_GRID["variants"]:
+        for seed in (0, 1, 2):
+            assert f"{variant} seed {seed} (to run): runs/ablations/tiny/{variant}/seed{seed}" in out
+    assert out.count("captioning fit --config") == 9 and "9 cells" in out
+    assert "--model.net.score dot" in out and "--seed_everything 2" in out
+    assert not Path("runs").exists() and not Path("out").exists()  # nothing trained or written
+
+
+def test_the_shipped_attention_grid() -> None:
+    """The issue's rows, three seeds, one budget, every config found."""
+    grid = load_grid(find_grid("attention"))
+    assert find_grid("attention") == GRID_DIR / "attention.yaml"
+    assert grid.seeds == (0, 1, 2)
+    assert {"soft/additive", "soft/dot", "soft/general", "soft/scaled_dot",
+            "hard/reinforce/sequence/paper", "hard/reinforce/sequence/detached",
+            "hard/reinforce/expected"} <= set(grid.variants)
+    assert any(v.startswith("hard/gumbel/tau") for v in grid.variants)
+    cells = plan_cells(grid, seeds=grid.seeds, only=None, runs=Path("r"), tiny=False)
+    assert len(cells) == 3 * len(grid.variants)
+    budgets = {tuple(sorted((k, v) for k, v in c.overrides.items() if k.startswith("trainer.")))
+               for c in cells}
+    assert len(budgets) == 1  # one training budget for every row
+    by_name = {c.variant: c for c in cells}
+    assert by_name["hard/reinforce/sequence/detached"].overrides[
+        "model.net.semi_sampling_grad"] == "detached"
+    assert by_name["soft/scaled_dot"].configs[-1].name == "demo_soft.yaml"
+    assert GRID_DIR.parent.name == "configs"  # configs/*/*.yaml: package data (pyproject.toml)
+
+
+def _row(variant: str, seed: int, status: str = "ok", **metrics: float) -> dict[str, Any]:
+    return {"variant": variant, "seed": seed, "status": status,
+            "error": "" if status == "ok" else "boom", **metrics}
+
+
+def test_table_and_plot_from_known_rows(tmp_path: Path) -> None:
+    rows = [_row("a", 0, m=0.5, s=100.0), _row("a", 1, m=0.7, s=120.0),
+            _row("a", 2, "failed", m=math.nan, s=math.nan), _row("b", 0, m=0.25, s=10.0)]
+    a, b = summarise(rows, ["a", "b", "c"], ["m", "s"])
+    assert (a.ok, a.total, a.failed) == (2, 3, [(2, "boom")])
+    assert a.mean["m"] == pytest.approx(0.6) and a.sd["m"] == pytest.approx(0.1414, abs=1e-4)
+    assert b.ok == 1 and math.isnan(b.sd["m"])
+    table = table_markdown("g", rows, ["a", "b"], ["m", "train_seconds"])
+    assert "| variant | ok | test m | training time (s) |" in table
+    assert "| a | 2/3 | 0.600 ± 0.141 |" in table and "| b | 1/1 | 0.250 |" in table
+    assert "Failed cells: 1.\n- a seed 2: boom" in table
+    path = write_plot(tmp_path / "plot.png", "g", rows, ["a", "b"], ["m", "s"])
+    with Image.open(path) as img:
+        assert img.size[0] > 400 and img.mode == "RGB"
+
+
+def test_error_line() -> None:
+    log = "INFO: x\nTraceback (most recent call last):\n  File ...\nValueError: bad thing\n"
+    assert error_line(log, 1) == "ValueError: bad thing"
+    assert error_line("INFO: x\nerror: --a: invalid value 'b'\n", 2) == "--a: invalid value 'b'"
+    assert error_line("", -9) == "exit status -9"

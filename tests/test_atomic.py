@@ -1,0 +1,85 @@
+"""The one atomic writer: a failed or killed write leaves the old file and no partial one;
+temporaries of dead writers are removed; files get the umask's permissions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from captioning.atomic import (
+    TEMP_RE,
+    remove_stale_temporaries,
+    temporary_name,
+    write_atomic,
+    write_text_atomic,
+)
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
+    target = write_text_atomic(tmp_path / "a.json", "old")
+
+    def fail(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_atomic(target, fail)
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
+
+
+def test_a_killed_writer_leaves_a_temporary_the_next_run_removes(tmp_path: Path) -> None:
+    """kill -9 in the middle of a write: the target is untouched, and the dead writer's
+    temporary (its PID in the name) is removed; a live writer's is left alone."""
+    target = write_text_atomic(tmp_path / "png", "old")
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom captioning.atomic import write_atomic\n"
+         "def slow(tmp):\n    tmp.write_text('half'); print('writing', flush=True); "
+         "time.sleep(60)\nwrite_atomic(sys.argv[1], slow)", str(target)],
+        stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing"
+    child.kill()
+    child.wait()
+    left = [p for p in tmp_path.iterdir() if p != target]
+    assert len(left) == 1 and TEMP_RE.match(left[0].name)
+    live = temporary_name(target)
+    live.write_text("mine")
+    assert remove_stale_temporaries(tmp_path, pattern=".*.tmp") == left
+    assert target.read_text() == "old" and live.exists()
+
+
+def test_files_get_the_umask_permissions(tmp_path: Path) -> None:
+    old = os.umask(0o002)
+    try:
+        target = write_text_atomic(tmp_path / "shared.json", "{}")
+    finally:
+        os.umask(old)
+    assert target.stat().st_mode & 0o777 == 0o664
+
+
+def test_the_ptb_tokenizer_writes_its_input_outside_site_packages(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pycocoevalcap's own tokenizer writes its input beside its jar (a killed run leaves it in
+    site-packages); ours writes it in $TMPDIR and removes it."""
+    import pycocoevalcap.tokenizer.ptbtokenizer as ptb
+
+    from captioning.metrics import coco_scores
+
+    real, seen = subprocess.run, []
+
+    def spy(cmd: list[str], *args: object, **kwargs: object) -> object:
+        seen.append(Path(cmd[-1]))
+        return real(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", spy)
+    folder = Path(ptb.__file__).parent
+    before = set(folder.iterdir())
+    scores = coco_scores({1: ["a red square"], 2: ["a blue circle"]},
+                         {1: "a red square", 2: "a circle"})
+    assert scores["BLEU-1"] > 0
+    assert seen and all(folder not in p.parents and not p.exists() for p in seen)
+    assert set(folder.iterdir()) == before

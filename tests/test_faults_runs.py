@@ -1,0 +1,155 @@
+"""Faults around a run as a whole: two runs given one run folder, prefix-matched flags, bad
+config values and disk errors, each a one-line error (no traceback) with nothing lost."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tiny_runs import cli_config, error_lines
+
+from captioning.cli import main
+from captioning.commands.errors import exit_status
+from captioning.locks import FolderInUseError, claim_folder
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_a_second_run_in_a_busy_run_folder_refuses(shapes_dm_kwargs: dict, cache_dir: Path,
+                                                   tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The folder is held by another process (a real one): the second run refuses in one line
+    and writes nothing there; once the holder is gone, the folder can be used."""
+    cfg = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "run" / "ckpt")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom captioning.locks import claim_folder\n"
+         "with claim_folder(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)",
+         str(tmp_path / "run")], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["fit", "--config", str(cfg)]) == 1
+        (line,) = error_lines(capsys.readouterr().err)
+        assert f"{tmp_path / 'run'}: run folder in use by another run (pid {holder.pid})" in line
+        assert not (tmp_path / "run" / "ckpt").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["fit", "--config", str(cfg)]) == 0
+    assert (tmp_path / "run" / "ckpt" / "last.ckpt").is_file()
+
+
+def test_claim_folder_is_released_after_the_block(tmp_path: Path) -> None:
+    # a second holder, even in this process (another open file), is refused
+    with claim_folder(tmp_path / "r"), pytest.raises(FolderInUseError), \
+            claim_folder(tmp_path / "r"):
+        pass
+    with claim_folder(tmp_path / "r"):
+        pass
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    (["--trainer.max_epoch", "2"], "unrecognized arguments: --trainer.max_epoch 2"),
+    (["--model.net.hidden_dim", "-1"], "net.hidden_dim must be >= 1, got -1"),
+    (["--model.net.dropout", "1.5"], "net.dropout must be in [0, 1), got 1.5"),
+    (["--model.net.semi_sampling_prob", "2"], "net.semi_sampling_prob must be in [0, 1], got 2"),
+    (["--model.decode.max_len", "0"], "decode.max_len must be >= 1, got 0"),
+])
+def test_bad_flags_and_values_are_one_line_before_any_work(
+        flag: list[str], message: str, shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    start = time.monotonic()
+    assert main(["fit", "--config", str(cfg), *flag]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert message in line
+    assert not (tmp_path / "ckpt").exists()
+    assert time.monotonic() - start < 30  # refused at construction, not after an epoch
+
+
+def test_data_root_that_is_a_file_is_one_line(shapes_dm_kwargs: dict, cache_dir: Path,
+                                              tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    (tmp_path / "afile").write_text("not a dataset")
+    assert main(["fit", "--config", str(cfg), "--data.source.root", str(tmp_path / "afile")]) == 1
+    (line,) = error_lines(capsys.readouterr().err)
+    assert f"{tmp_path / 'afile'} exists and is not a directory" in line
+    assert (tmp_path / "afile").read_text() == "not a dataset"
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
+def test_disk_errors_are_one_line(code: int, capsys: pytest.CaptureFixture[str]) -> None:
+    exc = OSError(code, "disk trouble", "/some/run/last.ckpt")
+    assert exit_status(exc) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+    assert exit_status(PermissionError(errno.EACCES, "denied", "/x")) == 1
+    assert exit_status(OSError(errno.EBADF, "a bug")) is None  # not the user's: traceback
+
+
+def test_an_image_in_two_splits_is_refused(tmp_path: Path, write_karpathy: object,
+                                           write_png: object) -> None:
+    """A Karpathy file that lists one image file in train and, under another id, in test."""
+    from captioning.data.datamodule import CaptionDataModule
+    from captioning.data.readers import DataError
+    from captioning.data.sources import KarpathySplits
+
+    for name in ("a.jpg", "b.jpg", "c.jpg"):
+        write_png(tmp_path / "train2014" / name)  # type: ignore[operator]
+    split_file = write_karpathy(tmp_path / "dataset_coco.json", [  # type: ignore[operator]
+        {"id": 1, "filename": "a.jpg", "split": "train", "captions": ["a red square"]},
+        {"id": 2, "filename": "b.jpg", "split": "val", "captions": ["a blue circle"]},
+        {"id": 3, "filename": "c.jpg", "split": "train", "captions": ["a green star"]},
+        {"id": 9, "filename": "a.jpg", "split": "test", "captions": ["a red square"]},
+    ])
+    dm = CaptionDataModule(source=KarpathySplits(split_file=str(split_file),
+                                                 image_root=str(tmp_path)))
+    with pytest.raises(DataError) as info:
+        dm.records("test")
+    text = str(info.value)
+    assert "image id 9 (test)" in text and "also in the train split as image id 1" in text
+    assert str(split_file) in text
+
+
+
+SLOW_PREDICT = """
+import sys, time
+import captioning.data.predict as predict
+def slow(*args, **kwargs):
+    print("loading", flush=True)
+    time.sleep(120)
+predict.load_image = slow
+from captioning.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_predict_is_one_line(tmp_path: Path, write_png: object) -> None:
+    """SIGTERM while `captioning predict` loads images ends it like Ctrl-C: one line, exit 143,
+    no traceback, no results file or shard left."""
+    import signal
+
+    from captioning.checkpoint import save_inference_checkpoint
+    from captioning.models.captioner import Captioner, CaptionerConfig
+    from captioning.vocab import Vocabulary
+
+    vocab = Vocabulary.build([["a", "red", "square"]], min_count=1)
+    net = CaptionerConfig(vocab_size=len(vocab), backbone="resnet18", weights=None, grid_size=2,
+                          image_size=64, embed_dim=8, hidden_dim=8, attn_dim=8)
+    ckpt = save_inference_checkpoint(tmp_path / "m.ckpt", Captioner(net), vocab)
+    image = write_png(tmp_path / "a.png")  # type: ignore[operator]
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_PREDICT, "predict", "--checkpoint",
+                             str(ckpt), str(image), "--out", str(out), "--num-workers", "0",
+                             "--accelerator", "cpu"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "loading"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "interrupted by SIGTERM"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "m.ckpt"]

@@ -1,0 +1,165 @@
+"""GPU-only checks (`pytest -m gpu`, run by `make gpu-check`): bf16 training steps are finite,
+beam search on CUDA gives the CPU's captions for the same weights, attention overlays render
+on the device, and the feature cache builds on the device. Skipped without CUDA.
+
+Each test calls a `check_*` helper with the device, so that the same code can be read (and
+tried) on the CPU.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from captioning.data.features import FeatureCache
+from captioning.data.transforms import build_image_transform
+from captioning.lit_module import CaptioningModule
+from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
+from captioning.models.decoding import SpecialIds
+from captioning.models.encoder import CNNEncoder
+from captioning.viz import render_strips
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+S = 64  # image size
+VOCAB = 24
+
+
+@pytest.fixture
+def exact_fp32() -> Iterator[None]:
+    """No TF32 in matmuls or convolutions while the test runs: CUDA and CPU then differ by
+    rounding only."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def tiny_net(attention: str = "soft") -> CaptionerConfig:
+    return CaptionerConfig(vocab_size=VOCAB, backbone="resnet18", weights=None, grid_size=3,
+                           image_size=S, embed_dim=32, hidden_dim=48, attn_dim=32,
+                           dropout=0.0, attention=attention)
+
+
+def random_batch(device: str) -> object:
+    """Five images (3, S, S) with captions of lengths 7..3 (<start> .. <end> <pad>)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([7, 7, 5, 4, 3])
+    captions = torch.randint(4, VOCAB, (5, 7), generator=g)
+    captions[:, 0] = SpecialIds().start
+    for i, n in enumerate(lengths.tolist()):
+        captions[i, n - 1], captions[i, n:] = SpecialIds().end, SpecialIds().pad
+    images = torch.randn(5, 3, S, S, generator=g)
+    return type("Batch", (), {"images": images.to(device), "captions": captions.to(device),
+                              "lengths": lengths.to(device)})()
+
+
+def check_bf16_step(device: str, attention: str) -> None:
+    """One training loss (the CNN included) under bf16 autocast: finite, as its gradients."""
+    torch.manual_seed(0)
+    module = CaptioningModule(net=tiny_net(attention)).to(device).train()
+    batch = random_batch(device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        parts = module.losses(batch)
+        out = module.captioner(batch.images, batch.captions, batch.lengths)
+    assert out.logits.dtype == torch.bfloat16  # the matmuls did run in bf16
+    assert out.alphas.dtype == torch.float32  # the attention softmax stays float32
+    assert torch.isfinite(parts["loss"])
+    parts["loss"].backward()
+    grads = [p.grad for p in module.captioner.decoder.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def trained_looking_captioner() -> Captioner:
+    """A random captioner that never says <end>: every beam runs `max_len` steps, so that the
+    comparison covers every step. Its word scores are spread wide (x8), as a trained model's
+    are, so that no two beams tie within rounding."""
+    torch.manual_seed(0)
+    captioner = Captioner(tiny_net()).eval()
+    with torch.no_grad():
+        captioner.decoder.out.weight.mul_(8)
+        captioner.decoder.out.bias[SpecialIds().end] = -1e4
+    return captioner
+
+
+def check_beam_matches_cpu(device: str) -> None:
+    captioner = trained_looking_captioner()
+    features = torch.randn(6, 9, 512, generator=torch.Generator().manual_seed(1)).relu()
+    decode = DecodeConfig(strategy="beam", beam_size=3, max_len=12, num_captions=2)
+    with torch.no_grad():
+        cpu = captioner.generate(features, decode)
+        dev = captioner.to(device).generate(features.to(device), decode)
+    assert dev.tokens.device.type == torch.device(device).type
+    assert torch.equal(dev.tokens.cpu(), cpu.tokens)
+    assert torch.equal(dev.lengths.cpu(), cpu.lengths)
+    torch.testing.assert_close(dev.scores.cpu(), cpu.scores, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(dev.alphas.cpu(), cpu.alphas, atol=1e-5, rtol=1e-4)
+
+
+def check_overlay_on_device(device: str) -> None:
+    """Decode and render on the device, no host copy between: the strips are the CPU's (to
+    one level of uint8 rounding)."""
+    captioner = trained_looking_captioner().to(device)
+    images = random_batch(device).images[:3]
+    with torch.no_grad():
+        gen = captioner.generate(images, DecodeConfig(strategy="greedy", max_len=5))
+    words = [[f"w{t}" for t in row[:n]] for row, n in zip(gen.tokens.tolist(),
+                                                          gen.lengths.tolist())]
+    strips = render_strips(images, gen.alphas, captioner.grid, words)
+    assert strips.device.type == torch.device(device).type and strips.dtype == torch.uint8
+    assert strips.shape == (3, S + 14, S * (max(map(len, words)) + 1), 3)
+    cpu = render_strips(images.cpu(), gen.alphas.cpu(), captioner.grid, words)
+    assert (strips.cpu().int() - cpu.int()).abs().max() <= 1
+
+
+def check_cache_builds_on(device: str, images: list[Path], tmp_path: Path) -> None:
+    """The cache built on the device holds the CPU encoder's grids (float16), and the encoder
+    is back where it was."""
+    torch.manual_seed(0)
+    encoder = CNNEncoder(backbone="resnet18", weights=None, grid_size=2).eval()
+    transform = build_image_transform(S)
+    cache = FeatureCache.build(cache_dir=tmp_path / "features", encoder=encoder,
+                               encoder_config={"backbone": "resnet18", "device": device},
+                               image_size=S, paths=images, transform=transform,
+                               batch_size=4, device=device, progress=False)
+    assert next(encoder.parameters()).device.type == "cpu"
+    assert cache.array.dtype == np.float16 and cache.array.shape[0] == len(images)
+    with torch.no_grad():
+        ref = encoder(torch.stack([transform(Image.open(p).convert("RGB")) for p in images]))
+    got = torch.stack([cache[p] for p in images]).float()
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
+
+
+@pytest.fixture
+def images(shapes_root: Path, tmp_path: Path) -> list[Path]:
+    out = []
+    for p in sorted((shapes_root / "images").glob("train_*.png"))[:6]:
+        out.append(tmp_path / "img" / p.name)
+        out[-1].parent.mkdir(exist_ok=True)
+        shutil.copy2(p, out[-1])
+    return out
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_bf16_forward_and_backward_are_finite(attention: str) -> None:
+    check_bf16_step("cuda", attention)
+
+
+def test_beam_search_on_cuda_equals_cpu(exact_fp32: None) -> None:
+    check_beam_matches_cpu("cuda")
+
+
+def test_overlays_render_on_the_device(exact_fp32: None) -> None:
+    check_overlay_on_device("cuda")
+
+
+def test_feature_cache_builds_on_the_device(images: list[Path], tmp_path: Path,
+                                            exact_fp32: None) -> None:
+    check_cache_builds_on("cuda", images, tmp_path)
