@@ -122,3 +122,17 @@ def write_results(results: EvalResults, split: str, folder: str | Path) -> Path:
     log.info("wrote %s and %s", folder / f"{split}_captions.json",
              folder / f"{split}_metrics.json")
     return folder
+
+
+def set_aside_results(folder: str | Path, split: str, rank_zero: bool = True) -> list[Path]:
+    """Rename an earlier run's `{split}_captions.json` / `{split}_metrics.json` in `folder` to
+    `{split}_*.previous.json` before a new pass, so that files beside a run are its own (a
+    killed pass leaves none) and nothing is lost. Returns the renamed files' new paths."""
+    moved = []
+    for name in (f"{split}_captions.json", f"{split}_metrics.json"):
+        old = Path(folder) / name
+        if rank_zero and old.is_file():
+            moved.append(old.replace(old.with_suffix(".previous.json")))
+    if moved:
+        log.info("moved the previous %s results aside: %s", split, ", ".join(map(str, moved)))
+    return moved

@@ -1,10 +1,7 @@
-"""CaptioningModule: the thin LightningModule around a pure-torch Captioner.
-
-Steps (predict too), epoch ends and optimisers. The loss comes from a training objective
-(`captioning.objectives`), decoding from `Captioner.generate` with the model's `decode` settings,
-metrics and result files from `captioning.evaluation`, and everything a checkpoint holds beyond
-Lightning's own keys from `captioning.checkpoint`. It holds no data: the vocabulary and the
-object boxes come from the data module; every checkpoint stores the vocabulary."""
+"""CaptioningModule: the thin LightningModule around a pure-torch Captioner: steps, epoch
+ends, optimisers. Losses come from `captioning.objectives`, decoding from `Captioner.generate`,
+metrics and result files from `captioning.evaluation`, checkpoint extras from
+`captioning.checkpoint`. The data module holds the data; checkpoints store the vocabulary."""
 
 from __future__ import annotations
 
@@ -18,6 +15,7 @@ import torch
 from torch import Tensor
 
 from captioning import checkpoint as ckpt
+from captioning import evaluation
 from captioning.callbacks.gumbel import GumbelTemperature
 from captioning.data.features import attach_feature_cache
 from captioning.evaluation import EvalResults, compute_metrics, gather, to_results, write_results
@@ -252,9 +250,8 @@ class CaptioningModule(L.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         """Captions of a `captioning.data.predict` batch (for `callbacks.CaptionWriter`)."""
-        from captioning.evaluation import caption_words
         gen = self.generate(batch.images)
-        words, texts = caption_words(gen, self.vocab)
+        words, texts = evaluation.caption_words(gen, self.vocab)
         return {"indices": batch.indices, "paths": batch.paths, "words": words,
                 "captions": texts, "scores": gen.scores.tolist(), "generation": gen}
 
@@ -287,6 +284,9 @@ class CaptioningModule(L.LightningModule):
         results = self._finish_eval("val")
         if results.metrics:
             self.val_results = results
+
+    def on_test_start(self) -> None:  # a killed test never leaves the last run's results
+        evaluation.set_aside_results(self.results_folder(), "test", self.trainer.is_global_zero)
 
     def on_test_epoch_end(self) -> None:
         self.test_results = self._finish_eval("test")

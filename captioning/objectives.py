@@ -27,6 +27,7 @@ another hard-attention estimator is one class in `HARD_ESTIMATORS`.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -299,7 +300,7 @@ class SelfCritical(Objective):
             b = self.greedy_reward(captioner, feats, images).repeat_interleave(k)  # (U·k,)
         T = gen.tokens.size(1)
         mask = torch.arange(T, device=feats.device) < gen.lengths.unsqueeze(1)  # (U·k, T)
-        log_p = (gen.token_log_probs * mask).sum(dim=1)  # (U·k,) log p(wˢ)
+        log_p = torch.where(mask, gen.token_log_probs, 0.0).sum(dim=1)  # (U·k,) log p(wˢ)
         advantage = (r - b).detach()
         # ∇L ≈ −(r(wˢ) − b) ∇log p(wˢ): REINFORCE with a baseline, one term per sample (§4)
         parts = {"loss": -(advantage * log_p).mean(),
@@ -373,6 +374,29 @@ def expected_word_log_likelihoods(captioner: Captioner, features: Tensor, batch:
     return ll
 
 
+#: Training settings and the values they must take: (low, high, low inclusive, high inclusive).
+SETTING_RANGES = {"encoder_lr": (0.0, math.inf, False, False),
+                  "decoder_lr": (0.0, math.inf, False, False),
+                  "weight_decay": (0.0, math.inf, True, False),
+                  "warmup_steps": (0, math.inf, True, False),
+                  "doubly_stochastic": (0.0, math.inf, True, False),
+                  "reward_scale": (0.0, math.inf, True, False),
+                  "entropy_weight": (0.0, math.inf, True, False),
+                  "baseline_momentum": (0.0, 1.0, True, False)}
+
+
+def check_settings(settings: dict[str, Any]) -> None:
+    """Refuse a training setting outside its range (`SETTING_RANGES`), naming the key."""
+    for key, (low, high, low_in, high_in) in SETTING_RANGES.items():
+        if key not in settings:
+            continue
+        v = settings[key]
+        ok = (v >= low if low_in else v > low) and (v <= high if high_in else v < high)
+        if not ok:
+            lo, hi = "[" if low_in else "(", "]" if high_in else ")"
+            raise ValueError(f"model.{key} must be in {lo}{low}, {high}{hi}, got {v}")
+
+
 def build_objective(*, attention: str, advantage: str = "sequence",
                     hard_estimator: str = "reinforce", objective: str = "cross_entropy",
                     scst: ScstConfig | None = None, **settings: Any) -> Objective:
@@ -380,6 +404,7 @@ def build_objective(*, attention: str, advantage: str = "sequence",
     `hard_estimator` (`HARD_ESTIMATORS`), or with `reinforce` the REINFORCE estimator named by
     `advantage`. `settings` go to the constructor that takes them. `objective: scst` wraps that
     cross-entropy objective in `SelfCritical` with the `scst` settings."""
+    check_settings(settings)
     if objective not in ("cross_entropy", "scst"):
         raise ValueError(f"objective must be 'cross_entropy' or 'scst', got {objective!r}")
     if attention == "soft":

@@ -14,7 +14,7 @@ import yaml
 from PIL import Image
 
 from captioning.cli import main
-from captioning.commands.ablate import GRID_DIR, find_grid, load_grid, plan_cells
+from captioning.commands.ablate import GRID_DIR, alpha_entropy, find_grid, load_grid, plan_cells
 from captioning.commands.ablation_report import (
     error_line,
     summarise,
@@ -99,8 +99,17 @@ def test_dry_run_lists_every_cell(tiny_grid: Path, capsys: pytest.CaptureFixture
     assert not Path("runs").exists() and not Path("out").exists()  # nothing trained or written
 
 
-def test_the_shipped_attention_grid() -> None:
-    """The issue's rows, three seeds, one budget, every config found."""
+def test_the_shipped_attention_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's rows, three seeds, one budget, every config found; the README's commands
+    (dry runs)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["ablate", "--grid", "attention", "--dry-run"]) == 0
+    assert "27 cells; results in docs/ablations/attention" in capsys.readouterr().out
+    assert main(["ablate", "--only", "soft/dot", "--seeds", "0,1", "--dry-run"]) == 0
+    assert "2 cells" in capsys.readouterr().out
+    assert main(["ablate", "--only", "soft/nope", "--dry-run"]) == 2
+    assert "error: --only soft/nope: not in grid attention" in capsys.readouterr().err
     grid = load_grid(find_grid("attention"))
     assert find_grid("attention") == GRID_DIR / "attention.yaml"
     assert grid.seeds == (0, 1, 2)
@@ -146,3 +155,11 @@ def test_error_line() -> None:
     assert error_line(log, 1) == "ValueError: bad thing"
     assert error_line("INFO: x\nerror: --a: invalid value 'b'\n", 2) == "--a: invalid value 'b'"
     assert error_line("", -9) == "exit status -9"
+
+
+def test_alpha_entropy_is_the_mean_over_steps() -> None:
+    import torch
+
+    uniform, peaked = torch.full((2, 4), 0.25), torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    assert alpha_entropy([uniform, peaked]) == pytest.approx(2 * math.log(4) / 3)
+    assert math.isnan(alpha_entropy([]))

@@ -57,6 +57,8 @@ def test_claim_folder_is_released_after_the_block(tmp_path: Path) -> None:
     (["--model.net.dropout", "1.5"], "net.dropout must be in [0, 1), got 1.5"),
     (["--model.net.semi_sampling_prob", "2"], "net.semi_sampling_prob must be in [0, 1], got 2"),
     (["--model.decode.max_len", "0"], "decode.max_len must be >= 1, got 0"),
+    (["--model.decoder_lr", "-1"], "model.decoder_lr must be in (0.0, inf), got -1.0"),
+    (["--model.baseline_momentum", "1"], "model.baseline_momentum must be in [0.0, 1.0)"),
 ])
 def test_bad_flags_and_values_are_one_line_before_any_work(
         flag: list[str], message: str, shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
@@ -114,17 +116,16 @@ def test_an_image_in_two_splits_is_refused(tmp_path: Path, write_karpathy: objec
     assert str(split_file) in text
 
 
+def slow_command(module: str, name: str, says: str) -> str:
+    """A `python -c` script that runs `captioning` with `module.name` replaced by a function
+    that prints `says` and sleeps: the place a test sends its signal."""
+    return (f"import sys, time\nimport {module} as target\n"
+            f"def slow(*args, **kwargs):\n    print({says!r}, flush=True)\n    time.sleep(120)\n"
+            f"target.{name} = slow\nfrom captioning.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
 
-SLOW_PREDICT = """
-import sys, time
-import captioning.data.predict as predict
-def slow(*args, **kwargs):
-    print("loading", flush=True)
-    time.sleep(120)
-predict.load_image = slow
-from captioning.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+
+SLOW_PREDICT = slow_command("captioning.data.predict", "load_image", "loading")
 
 
 def test_sigterm_during_predict_is_one_line(tmp_path: Path, write_png: object) -> None:
@@ -153,3 +154,45 @@ def test_sigterm_during_predict_is_one_line(tmp_path: Path, write_png: object) -
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == "interrupted by SIGTERM"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "m.ckpt"]
+
+
+def test_a_test_run_sets_the_previous_results_aside(tmp_path: Path) -> None:
+    """An earlier (or killed) test's files are renamed before a new pass writes its own: the
+    files beside a run are its own, and nothing is deleted."""
+    from captioning.evaluation import EvalResults, set_aside_results, write_results
+
+    old = EvalResults(hypotheses={1: "old caption"}, metrics={"BLEU-4": 0.5})
+    write_results(old, "test", tmp_path)
+    moved = set_aside_results(tmp_path, "test")
+    assert sorted(p.name for p in moved) == ["test_captions.previous.json",
+                                             "test_metrics.previous.json"]
+    assert not (tmp_path / "test_metrics.json").exists()
+    assert "old caption" in (tmp_path / "test_captions.previous.json").read_text()
+    assert set_aside_results(tmp_path, "test") == []  # nothing left to move
+
+
+SLOW_SCORING = slow_command("captioning.metrics", "coco_scores", "scoring")
+
+
+def test_sigterm_during_test_scoring_stops_it(shapes_dm_kwargs: dict, cache_dir: Path,
+                                              tmp_path: Path, fitted: Path) -> None:
+    """SIGTERM while the test pass is being scored (Java, minutes on COCO) stops it at once
+    with one line and exit 143, instead of being ignored until scoring ends."""
+    import signal
+
+    cfg = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_SCORING, "test", "--config", str(cfg), "--ckpt_path",
+         str(fitted), "--model.compute_metrics", "true", "--model.results_dir",
+         str(tmp_path / "results")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    while (line := proc.stdout.readline()) and line.strip() != "scoring":
+        pass
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 143, err[-2000:]
+    assert time.monotonic() - start < 60
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("interrupted by SIGTERM")
+    assert not (tmp_path / "results" / "test_metrics.json").exists()

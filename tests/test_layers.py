@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "captioning"
 #: Layers, lowest first; a module may import only from its own layer or below. Within a layer,
 #: `SIBLINGS_APART` pairs of packages must not import each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("captioning", "captioning.vocab", "captioning.atomic", "captioning.locks"),
+    ("captioning", "captioning.vocab", "captioning.atomic", "captioning.scst", "captioning.cider", "captioning.locks"),
     ("captioning.models", "captioning.data", "captioning.losses", "captioning.viz"),
     ("captioning.metrics", "captioning.pointing", "captioning.objectives",
      "captioning.checkpoint"),

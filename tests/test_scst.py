@@ -283,17 +283,17 @@ SCST_MODEL = {"objective": "scst", "scst": {"samples": 2, "baseline": "greedy", 
 
 def test_init_from_loads_the_weights_and_vocabulary(cross_entropy: Path, shapes_dm_kwargs: dict,
                                                     cache_dir: Path, tmp_path: Path) -> None:
-    """With learning rates 0 the fitted model keeps the checkpoint's weights exactly; a data
+    """A fit of no steps (set up, nothing trained) holds the checkpoint's weights exactly; a data
     setting that would build another vocabulary is overruled by the checkpoint's."""
     from captioning.commands.lightning import lightning_cli
 
     ckpt = torch.load(cross_entropy, weights_only=True)
     cfg = _fit_config(tmp_path / "scst.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt",
                       model={**SCST_MODEL, "init_from": str(cross_entropy)})
-    cli = lightning_cli(["fit", "--config", str(cfg), "--model.decoder_lr", "0",
-                         "--model.encoder_lr", "0", "--data.max_vocab_size", "6"])
+    cli = lightning_cli(["fit", "--config", str(cfg), "--model.decoder_lr", "2e-4",
+                         "--trainer.max_steps", "0", "--data.max_vocab_size", "6"])
     model, dm = cli.model, cli.datamodule
-    assert cli.trainer.global_step == BATCHES
+    assert cli.trainer.global_step == 0
     assert dm.vocab.to_dict() == ckpt["captioning_vocab"] and len(dm.vocab) > 6
     assert model.vocab == dm.vocab
     state = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("captioner.")}
@@ -304,7 +304,8 @@ def test_init_from_loads_the_weights_and_vocabulary(cross_entropy: Path, shapes_
     hp = model.hparams
     assert hp.net == ckpt["hyper_parameters"]["net"] | {"weights": None}
     assert hp.doubly_stochastic == 0.3  # carried over: not set by this config
-    assert hp.decoder_lr == 0  # given: the user's
+    assert hp.decoder_lr == 2e-4  # given: the user's (the checkpoint's is 4e-4, the default)
+    assert hp.encoder_lr == ckpt["hyper_parameters"]["encoder_lr"]
     assert hp.objective == "scst" and hp.scst["samples"] == 2
 
 
@@ -345,6 +346,16 @@ def test_init_from_a_missing_file_is_one_line(shapes_dm_kwargs: dict, cache_dir:
     assert err == [f"error: {tmp_path / 'nope.ckpt'}: checkpoint file does not exist"]
 
 
+def test_init_from_refuses_another_network(cross_entropy: Path, shapes_dm_kwargs: dict,
+                                           cache_dir: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _fit_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt",
+                      model={**SCST_MODEL, "init_from": str(cross_entropy)})
+    assert main(["fit", "--config", str(cfg), "--model.net.hidden_dim", "64"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "--model.net.hidden_dim 64 (the checkpoint has 32)" in err[0], err
+
+
 # ------------------------------------------------------------------------------------------
 # The demo
 
@@ -366,7 +377,7 @@ def test_demo_scst_runs_both_stages(shapes_root: Path, tmp_path: Path) -> None:
     assert "Shapes test split (" in text and "Shapes test split after SCST (" in text
     assert "cross-entropy" in text and "SCST" in text
     table = text[text.index("cross-entropy"):].splitlines()
-    assert any(ln.split()[:1] == ["CIDEr"] and len(ln.split()) == 4 for ln in table), text
+    assert any(ln.split()[:1] == ["CIDEr"] and len(ln.split()) == 5 for ln in table), text
     lines = [ln for ln in (out.stdout + out.stderr).splitlines() if "Traceback" in ln]
     assert not lines
     assert (tmp_path / "run" / "scst" / "checkpoints" / "last.ckpt").is_file()

@@ -174,8 +174,8 @@ def plan_cells(grid: Grid, *, seeds: Sequence[int], only: Sequence[str] | None, 
                               "config (its output folders are moved into each cell's folder)")
         for seed in seeds:
             run_dir = runs / variant / f"seed{seed}"
-            flags = {"seed_everything": seed, **grid.overrides,
-                     **{k: v for k, v in over.items() if k != "configs"},
+            flags = {**grid.overrides, **{k: v for k, v in over.items() if k != "configs"},
+                     "seed_everything": seed,
                      **(tiny_overrides(runs / "tiny-data" / "shapes") if tiny else {}),
                      "model.results_dir": str(run_dir)}
             cells.append(Cell(variant, seed, run_dir, configs, flags, grid.without))

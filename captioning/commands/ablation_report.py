@@ -172,7 +172,7 @@ def _panel(draw: Any, font: Any, box: tuple[int, int], metric: str,
            summaries: Sequence[Summary], name_w: int) -> None:
     """One metric: a bar per variant (mean) with a ± sd whisker, the value at its end."""
     x0, y0 = box
-    draw.text((x0 + PAD, y0 + 2), label(metric), fill="black", font=font)
+    draw.text((x0 + PAD, y0 + 2), label(metric).replace("α", "alpha"), fill="black", font=font)
     tops = [s.mean[m] + (0 if math.isnan(s.sd[m]) else s.sd[m])
             for s in summaries for m in [metric] if not math.isnan(s.mean[m])]
     scale_max = max([*tops, 1e-9])
@@ -192,9 +192,10 @@ def _panel(draw: Any, font: Any, box: tuple[int, int], metric: str,
                 draw.line([(lo, mid), (hi, mid)], fill="black", width=2)
                 draw.line([(lo, y + 4), (lo, y + BAR_H - 4)], fill="black")
                 draw.line([(hi, y + 4), (hi, y + BAR_H - 4)], fill="black")
-            draw.text((left + width + 6, y + 2), fmt(mean, metric), fill="black", font=font)
+            draw.text((left + width + 6, y + 2), cell_text(s, metric), fill="black", font=font)
         else:
-            draw.text((left + 4, y + 2), "failed", fill=(180, 0, 0), font=font)
+            draw.text((left + 4, y + 2), "failed" if s.ok == 0 else "–", fill=(180, 0, 0),
+                      font=font)
         y += BAR_H
 
 
@@ -207,7 +208,7 @@ def plot_image(grid: str, rows: Sequence[dict[str, Any]], variants: Sequence[str
     font = ImageFont.load_default(size=12)
     name_w = int(max([font.getlength(s.variant) for s in summaries] + [40])) + PAD
     cols = min(2, max(1, len(metrics)))
-    panel_w = name_w + BAR_W + 80
+    panel_w = name_w + BAR_W + 110
     panel_h = BAR_H * (len(summaries) + 1) + 2 * PAD + 8
     n_rows = math.ceil(len(metrics) / cols)
     img = Image.new("RGB", (cols * panel_w, 30 + n_rows * panel_h), "white")

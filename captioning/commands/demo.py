@@ -23,8 +23,9 @@ from captioning.commands.lightning import lightning_cli
 log = logging.getLogger(__name__)
 
 #: The SCST stage's data settings (before the user's flags, which win): 32 caption pairs a step,
-#: about 32 images and 5 samples of each. On the val split, 200 such steps beat 50 steps of the
-#: cross-entropy stage's 128 pairs (the same images, in about the same time).
+#: about 32 images and 5 samples of each. On the val split, 100 such steps gave a higher CIDEr
+#: and objects correct (5.33, 0.856) than 50 steps of the cross-entropy stage's 128 pairs (5.15,
+#: 0.824), which see more images and take longer.
 SCST_DATA = ("--data.batch_size", "32")
 
 METRIC_ORDER = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr",
@@ -53,12 +54,13 @@ def report(metrics: dict[str, float], samples: Sequence[tuple[Any, str, list[str
 
 def compare(before: dict[str, float], after: dict[str, float], *, out: Any = sys.stdout) -> None:
     """Both stages' test figures side by side (`--scst`)."""
-    out.write(f"\nShapes test split: {'cross-entropy':>14} {'SCST':>8} {'change':>8}\n")
+    out.write(f"\nShapes test split  {'cross-entropy':>13} {'SCST':>7} {'change':>7} "
+              f"{'relative':>8}\n")
     for name in METRIC_ORDER:
         if name in before and name in after:
             a, b = before[name], after[name]
             rel = f"{(b - a) / abs(a):+.1%}" if a else "n/a"
-            out.write(f"  {name:<18} {a:>14.4f} {b:>8.4f} {rel:>8}\n")
+            out.write(f"  {name:<17} {a:>13.4f} {b:>7.4f} {b - a:>+7.4f} {rel:>8}\n")
     out.flush()
 
 
