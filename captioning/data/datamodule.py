@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from captioning.atomic import write_atomic
 from captioning.data.datasets import (
     CachedInputs,
     CaptionCollate,
@@ -225,9 +226,7 @@ class CaptionDataModule(L.LightningDataModule):
                  self.min_word_count, self.max_vocab_size)
         if path is not None:  # write atomically: DDP ranks may race here
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            vocab.save(tmp)
-            os.replace(tmp, path)
+            write_atomic(path, vocab.save)
         return vocab
 
     def state_dict(self) -> dict[str, Any]:
