@@ -64,19 +64,16 @@ def resolve_config_args(args: Sequence[str]) -> list[str]:
             continue
         group = None if flag == "--config" else flag[2:]
         if eq:
-            if value and not value.lstrip().startswith("{"):
+            if value and _looks_like_file(value):
                 out[i] = f"{flag}={find_config(value, group)}"
-        elif i + 1 < len(out) and not out[i + 1].startswith("-") \
-                and not out[i + 1].lstrip().startswith("{") and _looks_like_file(out[i + 1]):
+        elif i + 1 < len(out) and not out[i + 1].startswith("-") and _looks_like_file(out[i + 1]):
             out[i + 1] = str(find_config(out[i + 1], group))
     return out
 
 
 def _looks_like_file(value: str) -> bool:
-    """A flag value that names a file rather than a class (`--model CaptioningModule`) or
-    inline YAML."""
-    return ":" not in value and (value.endswith((".yaml", ".yml")) or "/" in value
-                                 or not value[:1].isupper())
+    """A flag value that names a file rather than inline YAML (`--data '{batch_size: 4}'`)."""
+    return ":" not in value and not value.lstrip().startswith(("{", "["))
 
 
 def describe(path: Path) -> str:
