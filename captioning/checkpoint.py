@@ -224,6 +224,8 @@ def upgrade_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
     legacy = {new: hp.pop(old) for old, new in LEGACY_DECODE_KEYS.items() if old in hp}
     if legacy:
         hp["decode"] = {**legacy, **dict(hp.get("decode") or {})}
+    if "compile" in hp:  # the per-step `compile: bool`, replaced by `fast_path`
+        hp.setdefault("fast_path", "compile" if hp.pop("compile") else "auto")
     return hp
 
 

@@ -20,6 +20,7 @@ from captioning.callbacks.gumbel import GumbelTemperature
 from captioning.data.features import attach_feature_cache
 from captioning.evaluation import EvalResults, compute_metrics, gather, to_results, write_results
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
+from captioning.models.decoder import resolve_fast_path
 from captioning.models.decoding import Generation
 from captioning.models.encoder import fingerprint
 from captioning.objectives import build_objective
@@ -56,7 +57,8 @@ class CaptioningModule(L.LightningModule):
         init_from: str | None = None,
         compute_metrics: bool = True,
         results_dir: str | None = None,
-        compile: bool = False,
+        fast_path: Literal["auto", "off", "compile", "graphs"] = "auto",
+        fast_bucket: int = 8,
     ) -> None:
         super().__init__()
         net = CaptionerConfig.from_dict(net) if isinstance(net, dict) else net  # ckpt hparams
@@ -75,7 +77,6 @@ class CaptioningModule(L.LightningModule):
         self.val_results = EvalResults()
         self.test_results = EvalResults()
         self._pending = EvalResults()
-        self._compiled = False
         self._cache_source: tuple[Any, str] | None = None  # (data module, encoder fingerprint)
 
     @property
@@ -94,22 +95,16 @@ class CaptioningModule(L.LightningModule):
         self.objective.attach(dm)  # SCST's reward reads the training references
         if getattr(dm, "feature_cache", False) and not self.net_config.finetune_encoder:
             self._attach_feature_cache(dm)
-        if self.hparams.compile and not self._compiled:
-            self.compile_decoder()
+        if self.captioner.decoder.fast_path == "off":  # once: a compiled pass keeps its graphs
+            device = self.trainer.strategy.root_device if self._trainer else self.device
+            mode = resolve_fast_path(self.hparams.fast_path, device)
+            self.captioner.decoder.use_fast_path(mode, bucket=self.hparams.fast_bucket)
 
     def _attach_feature_cache(self, dm: Any) -> None:
         """Frozen encoder: the data module serves cached annotation grids; the CNN never runs."""
         key = self.captioner.feature_cache_key()
         attach_feature_cache(dm, self.captioner.encoder, key, strategy=self.trainer.strategy)
         self._cache_source = (dm, key["weights"])
-
-    def compile_decoder(self) -> None:
-        """`torch.compile` the decoder's per-step cell (attention + gate + LSTM), in place.
-        Dynamic shapes: the active batch shrinks step by step, which must not recompile.
-        Off by default (`compile: false`): see docs/benchmarks.md for when it pays."""
-        dec = self.captioner.decoder
-        dec._advance = torch.compile(dec._advance, dynamic=True)  # type: ignore[method-assign]
-        self._compiled = True
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.vocab is not None:
@@ -165,6 +160,8 @@ class CaptioningModule(L.LightningModule):
         return self.objective(self.captioner, features, batch)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self.captioner.decoder.fast_path == "graphs":  # last step's graph outputs are free
+            torch.compiler.cudagraph_mark_step_begin()
         try:
             parts = self.losses(batch)
         except RuntimeError as e:  # e.g. hard attention sampling from NaN attention weights

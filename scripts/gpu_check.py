@@ -9,7 +9,9 @@ Stages (rows of the table):
 * `tests`: `pytest -m gpu` (passed, failed and skipped counts);
 * `train`: cached training at the paper configuration (VGG-19 14x14x512 grids, embedding and
   attention 512, LSTM 1800), batch 64 and 128, bf16-mixed and fp32: pairs/s, step time, data
-  wait, peak GPU memory and GPU utilisation (mean over the timed steps);
+  wait, peak GPU memory and GPU utilisation (mean over the timed steps); eager
+  (`fast_path: off`), then the decoder's fast path (`graphs`: the fixed-shape pass as CUDA
+  graphs) at bf16 batch 64 and 128 and fp32 batch 64, with its speed-up over eager;
 * `coco`: cached training (bf16-mixed, batch 64) from a COCO-size cache: 113,287 synthetic
   196x512 float16 grids (22.7 GB), or as many as 80% of the free disk holds (the row says how
   many). They are written through the feature cache's own build path, random grids standing in
@@ -70,9 +72,15 @@ class Check:
     base: dict[str, Any]
     threads: int | None
     coco_images: int
+    fast_only: bool = False  # train stage: eager at bf16 and the base batch, then the fast path
     rows: list[dict[str, Any]] = field(default_factory=list)
     single: dict[tuple[str, int], float] = field(default_factory=dict)  # one device's pairs/s
     failed: bool = False
+
+    @property
+    def fast_path(self) -> str:
+        """The decoder's fast path of the uncached and COCO-size rows: the CUDA default."""
+        return "off" if self.cpu else "graphs"
 
     @property
     def loader_workers(self) -> int:
@@ -91,6 +99,7 @@ class Check:
 
     def add(self, stage: str, config: str, result: str = "", **cols: Any) -> None:
         self.rows.append({"stage": stage, "config": config, "result": result, **cols})
+        log.info("row: %s | %s | %s | %s", stage, config, result, cols)  # the table: at the end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,19 +120,36 @@ def train_row(check: Check, stage: str, config: str, res: dict[str, Any], *,
 
 
 def stage_train(check: Check) -> None:
+    """Eager rows (`fast_path: off`) at both precisions and batches, then the fast path's rows
+    (`graphs`; `compile` on the CPU) beside them, with their speed-up over eager."""
     for precision in ("bf16-mixed", "32-true"):
         for batch in ((4, 8) if check.cpu else (64, 128)):
-            res = check.run(check.train_spec(precision, batch))
+            if check.fast_only and (precision, batch) != ("bf16-mixed", check.base["batch_size"]):
+                continue
+            res = check.run(check.train_spec(precision, batch, fast_path="off"))
             rate = train_row(check, "train", f"cached, {precision}, batch {batch}", res)
             check.single[(precision, batch)] = rate
+    mode = "compile" if check.cpu else "graphs"
+    fast_rows = [("32-true", 4)] if check.cpu else [("bf16-mixed", 64), ("bf16-mixed", 128),
+                                                    ("32-true", 64)]
+    for precision, batch in fast_rows:
+        res = check.run(check.train_spec(precision, batch, fast_path=mode,
+                                         warmup=max(check.base["warmup"], 4)))
+        rate = train_row(check, "train", f"cached, {precision}, batch {batch}, fast_path {mode}",
+                         res)
+        eager = check.single.get((precision, batch))
+        if eager:
+            check.rows[-1]["notes"] = f"{rate / eager:.2f}x eager; " + check.rows[-1]["notes"]
 
 
 def stage_uncached(check: Check) -> None:
     split_file, image_root, size = jpeg_set(check)
     spec = check.train_spec("bf16-mixed", check.base["batch_size"], cached=False,
+                            fast_path=check.fast_path, warmup=max(check.base["warmup"], 4),
                             num_workers=check.loader_workers, split_file=split_file,
                             image_root=image_root)
-    train_row(check, "train uncached", f"JPEG, bf16-mixed, batch {spec['batch_size']}",
+    train_row(check, "train uncached", f"JPEG, bf16-mixed, batch {spec['batch_size']}, "
+              f"fast_path {check.fast_path}",
               check.run(spec), notes=f"{check.loader_workers} loader workers decoding "
                                      f"{size} JPEGs; the CNN runs on every batch")
 
@@ -135,7 +161,8 @@ def stage_coco(check: Check) -> None:
     res = check.run(spec)
     if len(list(cache_dir.glob("*.npy"))) > before + 1:  # train found, only val built
         notes += "; WARNING: the run did not find the synthetic train cache"
-    train_row(check, "train COCO-size", f"cached, bf16-mixed, batch {spec['batch_size']}", res,
+    train_row(check, "train COCO-size", f"cached, bf16-mixed, batch {spec['batch_size']}, "
+              f"fast_path {check.fast_path}", res,
               notes=notes)
 
 
@@ -273,6 +300,7 @@ def synthesize_coco_cache(check: Check) -> tuple[dict[str, Any], str]:
 
     folder, n_val = check.work / "coco_size", 8 if check.cpu else 64
     spec = check.train_spec("bf16-mixed", check.base["batch_size"], cache_verify="size",
+                            fast_path=check.fast_path, warmup=max(check.base["warmup"], 4),
                             cache_dir=str(folder / "features"),
                             num_workers=check.loader_workers)
     locations, dim = grid_of(check.base)
@@ -343,6 +371,7 @@ def prepare(args: argparse.Namespace, work: Path) -> Check:
                                    num_train=640, num_val=64, image_size=224,
                                    steps=args.steps, warmup=args.warmup, threads=args.threads)
     return Check(cpu=args.cpu, work=work, base=base, threads=base["threads"],
+                 fast_only=args.fast_only,
                  coco_images=args.coco_images or (256 if args.cpu else COCO_TRAIN_IMAGES))
 
 
@@ -412,6 +441,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--coco-images", type=int, default=None,
                    help=f"grids of the COCO-size cache (default {COCO_TRAIN_IMAGES:,}; 256 "
                         "with --cpu), fewer when the disk is short")
+    p.add_argument("--fast-only", action="store_true",
+                   help="train stage: only eager bf16-mixed at the base batch, then the fast "
+                        "path's rows")
     p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")

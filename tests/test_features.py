@@ -284,21 +284,3 @@ def test_bf16_autocast_forward_backward_is_finite(attention: str) -> None:
     parts["loss"].backward()
     grads = [p.grad for p in module.captioner.decoder.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
-
-
-def test_compile_flag_compiles_the_step_cell(monkeypatch: pytest.MonkeyPatch) -> None:
-    compiled: list[dict[str, Any]] = []
-
-    def fake_compile(fn: Any, **kwargs: Any) -> Any:
-        compiled.append(kwargs)
-        return fn
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    net = CaptionerConfig(vocab_size=10, backbone="resnet18", weights=None, grid_size=2,
-                          embed_dim=8, hidden_dim=8, attn_dim=8)
-    assert CaptioningModule(net=net).hparams.compile is False
-    module = CaptioningModule(net=net, compile=True)
-    module.setup("fit")
-    module.setup("validate")  # once only
-    assert compiled == [{"dynamic": True}]
-    assert "_advance" in vars(module.captioner.decoder)

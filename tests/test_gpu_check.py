@@ -36,7 +36,10 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     by_stage: dict[str, list[dict]] = {}
     for r in rows:
         by_stage.setdefault(r["stage"], []).append(r)
-    assert len(by_stage["train"]) == 4  # bf16-mixed and fp32, two batch sizes
+    # Eager at bf16-mixed and fp32, two batch sizes; then the fast path (compile on the CPU).
+    assert len(by_stage["train"]) == 5
+    fast = by_stage["train"][-1]
+    assert fast["config"].endswith("fast_path compile") and "x eager" in fast["notes"]
     assert len(by_stage["beam search"]) == 4  # beam 3 and 5, two batch sizes
     assert by_stage["gpu tests"][0]["result"].endswith(" 0 failed")
     assert "of 256 grids" in by_stage["train COCO-size"][0]["notes"]  # says how many

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import collections
+import csv
+import json
 import os
 import subprocess
 import sys
@@ -382,3 +384,35 @@ def test_demo_scst_runs_both_stages(shapes_root: Path, tmp_path: Path) -> None:
     assert not lines
     assert (tmp_path / "run" / "scst" / "checkpoints" / "last.ckpt").is_file()
     assert collections.Counter(text.splitlines())["Generated captions beside their references:"] == 2
+
+
+def test_scst_curve_script_trains_seeds_and_draws_the_curve(shapes_root: Path,
+                                                           tmp_path: Path) -> None:
+    """scripts/scst_curve.py (README): the demo with --scst per seed, then val CIDEr of the
+    cross-entropy model (step 0) and of every kept SCST checkpoint; a second call resumes."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("WANDB_", "TORCH_HOME")) and "proxy" not in k.lower()}
+    demo = [*shapes_cli_args(shapes_root), "--data.cache_dir", str(tmp_path / "features"),
+            "--model.net.weights", "null", "--model.net.hidden_dim", "32",
+            "--model.decode.max_len", "6", "--model.scst.samples", "2",
+            "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
+            "--trainer.enable_progress_bar", "false"]
+    cmd = [sys.executable, str(REPO / "scripts" / "scst_curve.py"), "--seeds", "0",
+           "--every", "1", "--run-root", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+           "--", *demo]
+    env = {**base, "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "out" / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["stage"] for r in rows] == ["cross_entropy", "scst"]
+    ce = json.loads((tmp_path / "runs" / "seed0" / "test_metrics.json").read_text())
+    assert float(rows[0]["CIDEr"]) == pytest.approx(ce["CIDEr"], abs=1e-4)
+    with open(tmp_path / "out" / "curve.csv") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f)]
+    assert steps[0] == 0 and len(steps) >= 2 and steps == sorted(steps)
+    assert (tmp_path / "out" / "curve.png").stat().st_size > 0
+    assert "| CIDEr |" in (tmp_path / "out" / "table.md").read_text()
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=900)
+    assert again.returncode == 0 and "trained already" in again.stderr

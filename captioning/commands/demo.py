@@ -83,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="then self-critical sequence training (configs/model/demo_soft_scst.yaml)"
                         " from the cross-entropy checkpoint, for at most as long as "
                         "cross-entropy trained; prints the test figures of both")
+    p.add_argument("--curve-every", type=int, default=0, metavar="N",
+                   help="with --scst: also keep the SCST weights every N steps in "
+                        "RUN_DIR/scst/curve, for a learning curve (scripts/scst_curve.py)")
     p.epilog = "Other arguments go to LightningCLI (both stages), e.g. --trainer.max_epochs 2"
     a, overrides = p.parse_known_args(argv)
     run_dir = Path(a.run_dir or f"runs/demo-{a.attention}")
@@ -98,18 +101,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget = ["--model.init_from", ce.checkpoint,
               "--trainer.max_time", _duration(ce.train_seconds)]
     scst = run_stage(run_dir / "scst", configs, [*SCST_DATA, *overrides, *budget], a.samples,
-                     title="Shapes test split after SCST")
+                     title="Shapes test split after SCST", keep_every=a.curve_every)
     compare(ce.metrics, scst.metrics)
     return 0
 
 
 def run_stage(run_dir: Path, configs: Sequence[Path], overrides: Sequence[str], samples: int,
-              *, title: str = "Shapes test split") -> Stage:
+              *, title: str = "Shapes test split", keep_every: int = 0) -> Stage:
     """`captioning fit` with the demo trainer in `run_dir`, then test the best checkpoint (the
     final weights when none was kept) and print the figures and a few captions."""
     start = time.perf_counter()
     args: list[str] = ["fit"]
-    for cfg in [_trainer_config(run_dir), *configs]:
+    for cfg in [_trainer_config(run_dir, keep_every=keep_every), *configs]:
         args += ["--config", str(cfg)]
     cli = lightning_cli([*args, *overrides])
     trainer, model, dm = cli.trainer, cli.model, cli.datamodule
@@ -147,8 +150,9 @@ def _duration(seconds: float) -> str:
     return f"{s // 86400:02d}:{s // 3600 % 24:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def _trainer_config(run_dir: Path) -> Path:
-    """The demo trainer config with every output folder moved into `run_dir`."""
+def _trainer_config(run_dir: Path, *, keep_every: int = 0) -> Path:
+    """The demo trainer config with every output folder moved into `run_dir`; with
+    `keep_every` N, the weights are also kept every N steps in `run_dir/curve`."""
     import yaml
 
     cfg = yaml.safe_load((CONFIG_DIR / "trainer" / "cpu.yaml").read_text())
@@ -158,6 +162,12 @@ def _trainer_config(run_dir: Path) -> Path:
     for cb in cfg["trainer"].get("callbacks") or []:
         if cb.get("class_path", "").endswith("ModelCheckpoint"):
             cb.setdefault("init_args", {})["dirpath"] = str(run_dir / "checkpoints")
+    if keep_every > 0:
+        cfg["trainer"]["callbacks"].append({
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(run_dir / "curve"), "filename": "{step:05d}",
+                          "every_n_train_steps": keep_every, "save_top_k": -1,
+                          "save_weights_only": True}})
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "trainer.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

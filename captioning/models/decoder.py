@@ -8,6 +8,10 @@ The decoder exposes three calls that every decoding strategy needs:
 
 `forward` is the teacher-forced pass used for training. It runs each step only on the captions
 that are still going (the batch is sorted by length), so no LSTM work is spent on padding.
+With a fast path (`use_fast_path`) it instead runs every caption for a fixed number of steps
+(the longest caption's, rounded up to a multiple of `bucket`) and masks the outputs past each
+caption's end: fixed shapes, so that `torch.compile` (`compile`) fuses the whole unrolled pass
+and, on CUDA, `reduce-overhead` (`graphs`) replays it as CUDA graphs, one per bucket.
 
 Hard attention is trained with sampled locations (`hard_estimator: reinforce`, §4.1) or with the
 straight-through Gumbel-softmax (`gumbel`; τ follows the `GumbelSchedule` through `set_tau`,
@@ -23,6 +27,7 @@ ReLU layers (with dropout) on the mean annotation before the init MLPs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -44,6 +49,7 @@ AttentionKind = Literal["soft", "hard"]
 SemiSampling = Literal["image", "batch"]
 SemiSamplingGrad = Literal["paper", "detached"]
 HardEstimator = Literal["reinforce", "gumbel"]
+FastPath = Literal["off", "compile", "graphs"]
 
 
 class Memory(NamedTuple):
@@ -126,6 +132,9 @@ class AttentionLSTMDecoder(nn.Module):
         self.out_z = nn.Linear(feature_dim, embed_dim, bias=False)  # L_z
         self.out = nn.Linear(embed_dim, vocab_size)  # L_o
         self.dropout = nn.Dropout(dropout)
+        self.fast_path: FastPath = "off"
+        self.fast_bucket = 8
+        self._fixed: Callable[..., tuple[Tensor, ...]] | None = None  # compiled unrolled pass
 
     # -- the step API -----------------------------------------------------------------------
     def memory(self, features: Tensor) -> Memory:
@@ -148,6 +157,20 @@ class AttentionLSTMDecoder(nn.Module):
         h, c, z_hat, sel = self._advance(emb, state.h, state.c, memory, self.step_rule)
         logits = self._output(emb, h, z_hat)
         return F.log_softmax(logits.float(), dim=-1), DecoderState(h, c, sel.location), sel.alpha
+
+    def use_fast_path(self, mode: FastPath, *, bucket: int = 8) -> None:
+        """Teacher forcing over fixed shapes: `compile` (torch.compile, any device), `graphs`
+        (torch.compile reduce-overhead: CUDA graphs) or `off` (the shrinking eager loop).
+        Lengths are padded up to a multiple of `bucket` steps: one compiled graph per bucket."""
+        if mode not in ("off", "compile", "graphs"):
+            raise ValueError(f"fast_path must be off|compile|graphs, got {mode!r}")
+        if bucket < 1:
+            raise ValueError(f"fast_path bucket must be >= 1, got {bucket}")
+        self.fast_path, self.fast_bucket = mode, bucket
+        self._fixed = None
+        if mode != "off":
+            self._fixed = torch.compile(self.teacher_forced_fixed, dynamic=False,
+                                        mode="reduce-overhead" if mode == "graphs" else None)
 
     def set_tau(self, tau: float) -> None:
         """Set the Gumbel-softmax temperature τ of the training pass."""
@@ -212,6 +235,8 @@ class AttentionLSTMDecoder(nn.Module):
         uses the expected context, and hard samples while training and decodes otherwise.
         """
         steps = (lengths - 1).clamp_min(0)  # words to predict per caption
+        if self._fixed is not None and captions.size(1) > 1:
+            return self._forward_fixed(features, captions, steps, rule)
         steps_cpu = steps.tolist()
         order = sorted(range(len(steps_cpu)), key=lambda i: -steps_cpu[i])
         is_sorted = order == list(range(len(order)))
@@ -270,6 +295,71 @@ class AttentionLSTMDecoder(nn.Module):
             out = DecoderOutput(*(None if x is None else x[inv] for x in (
                 out.logits, out.alphas, out.attn_log_probs, out.attn_entropy, out.sampled)))
         return out
+
+    def _forward_fixed(self, features: Tensor, captions: Tensor, steps: Tensor,
+                       rule: SelectRule | None) -> DecoderOutput:
+        """`forward` through the compiled fixed-shape pass: T padded up to the bucket. T is the
+        captions' width - 1, not read from `steps`, so that no step waits for the GPU; columns
+        past the longest caption (a batch padded wider) are masked like any padding."""
+        assert self._fixed is not None
+        T = captions.size(1) - 1
+        padded = -(-T // self.fast_bucket) * self.fast_bucket  # T rounded up to the bucket
+        tokens = captions[:, :padded]
+        if tokens.size(1) < padded:  # the pad id never reaches an output: those steps are masked
+            tokens = F.pad(tokens, (0, padded - tokens.size(1)))
+        rule, semi = self._training_rule() if rule is None else (rule, False)
+        B = captions.size(0)
+        use_expected = self._semi_sampling_coin(B, features.device) if semi else None
+        mask = torch.arange(padded, device=steps.device) < steps.unsqueeze(1)  # (B, T')
+        outs = self._fixed(features, tokens, mask, rule, use_expected)
+        # Outputs are cut back to T steps. Graph outputs live in memory the next replay
+        # overwrites: `graphs` hands out copies.
+        cut = [None if x is None else x[:, :T] for x in outs]
+        if self.fast_path == "graphs":
+            cut = [None if x is None else x.clone() for x in cut]
+        out = DecoderOutput(*cut)  # type: ignore[arg-type]
+        if out.attn_log_probs is not None and use_expected is not None:
+            out.sampled = ~use_expected
+        return out
+
+    def teacher_forced_fixed(self, features: Tensor, tokens: Tensor, mask: Tensor,
+                             rule: SelectRule, use_expected: Tensor | None
+                             ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """Every caption for all T steps of `tokens` (B, T) with `mask` (B, T) True where a
+        word is predicted: logits (B, T, V) and α (B, T, L), zero past each caption's end as in
+        `forward`, then log p(s_t) and H[α_t] (B, T) for the sampling rules. Fixed shapes."""
+        memory = self.memory(features)
+        state = self.init_state(memory)
+        h, c = state.h, state.c
+        emb = self.embed(tokens)  # (B, T, E)
+        hs, zs, alphas, log_ps, ents = [], [], [], [], []
+        for t in range(tokens.size(1)):
+            h, c, z_hat, sel = self._advance(emb[:, t], h, c, memory, rule, use_expected)
+            hs.append(h)
+            zs.append(z_hat)
+            alphas.append(sel.alpha)
+            if sel.log_prob is not None and sel.entropy is not None:
+                log_ps.append(sel.log_prob)
+                ents.append(sel.entropy)
+        m = mask.unsqueeze(-1)  # (B, T, 1)
+        hs_bt = torch.stack(hs, 1) * m.to(h.dtype)  # (B, T, H)
+        zs_bt = torch.stack(zs, 1) * m.to(zs[0].dtype)  # (B, T, D)
+        alpha = torch.stack(alphas, 1) * m.to(alphas[0].dtype)  # (B, T, L)
+        logits = self._output(emb, hs_bt, zs_bt)  # (B, T, V)
+        if not log_ps:
+            return logits, alpha, None, None
+        return (logits, alpha, torch.stack(log_ps, 1) * mask.to(log_ps[0].dtype),
+                torch.stack(ents, 1) * mask.to(ents[0].dtype))
+
+
+def resolve_fast_path(setting: str, device: torch.device) -> FastPath:
+    """The fast path for a device: `auto` is `graphs` on CUDA (docs/benchmarks.md has the
+    figures) and `off` elsewhere; `off`, `compile` and `graphs` stand as given."""
+    if setting == "auto":
+        return "graphs" if device.type == "cuda" else "off"
+    if setting not in ("off", "compile", "graphs"):
+        raise ValueError(f"fast_path must be auto|off|compile|graphs, got {setting!r}")
+    return setting  # type: ignore[return-value]
 
 
 def _check_settings(*, attention: str, hard_decode: str, semi_sampling: str,

@@ -1,0 +1,153 @@
+"""The decoder's fast path (`model.fast_path`): teacher forcing over fixed, bucketed shapes, for
+torch.compile and CUDA graphs. It must give the eager loop's outputs and gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from captioning.checkpoint import upgrade_hparams
+from captioning.lit_module import CaptioningModule
+from captioning.models import CaptionerConfig
+from captioning.models.decoder import AttentionLSTMDecoder, resolve_fast_path
+from captioning.objectives import MaximumLikelihood
+
+V, D, L = 30, 16, 9
+
+
+def decoder(attention: str = "soft", **kw: Any) -> AttentionLSTMDecoder:
+    torch.manual_seed(0)
+    return AttentionLSTMDecoder(vocab_size=V, feature_dim=D, embed_dim=12, hidden_dim=20,
+                                attn_dim=14, dropout=0.0, attention=attention, **kw)
+
+
+def batch(lengths: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """Features (B, L, D) and captions (B, max+?) in an unsorted order, with trailing pad."""
+    g = torch.Generator().manual_seed(1)
+    B, width = len(lengths), max(lengths) + 2  # wider than needed, as a padded batch is
+    captions = torch.randint(4, V, (B, width), generator=g)
+    captions[:, 0] = 1
+    for i, n in enumerate(lengths):
+        captions[i, n - 1], captions[i, n:] = 2, 0
+    return torch.randn(B, L, D, generator=g), captions, torch.tensor(lengths)
+
+
+@pytest.fixture
+def eager_compile(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
+    """torch.compile as the identity: the fixed-shape pass runs eagerly, and its settings are
+    recorded."""
+    calls: list[dict[str, Any]] = []
+
+    def fake(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+        calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake)
+    yield calls
+
+
+def loss_and_grads(dec: AttentionLSTMDecoder, feats: Tensor, caps: Tensor, lengths: Tensor,
+                   **kw: Any) -> tuple[Any, dict[str, Tensor]]:
+    dec.zero_grad()
+    out = dec(feats, caps, lengths, **kw)
+    batch_ = type("B", (), {"captions": caps, "lengths": lengths})()
+    parts = MaximumLikelihood().likelihood(out, batch_)[0]  # type: ignore[arg-type]
+    parts["loss"].backward()
+    return out, {n: p.grad.clone() for n, p in dec.named_parameters() if p.grad is not None}
+
+
+def assert_same(a: tuple[Any, dict[str, Tensor]], b: tuple[Any, dict[str, Tensor]]) -> None:
+    """Eager `a` and fixed-shape `b`: the same outputs on the eager T steps (the fixed pass runs
+    as many steps as the captions are wide, the rest masked) and the same gradients."""
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    T = out_a.logits.size(1)
+    torch.testing.assert_close(out_b.logits[:, :T], out_a.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_b.alphas[:, :T], out_a.alphas, atol=1e-5, rtol=1e-5)
+    assert (out_b.alphas[:, T:] == 0).all()
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) == len(list(grads_a))
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("attention", "rule"), [("soft", None), ("hard", "expected"),
+                                                 ("hard", "argmax")])
+@pytest.mark.parametrize("bucket", [1, 4, 8])
+def test_fixed_shape_pass_equals_the_eager_loop(eager_compile: list[dict[str, Any]],
+                                                attention: str, rule: str | None,
+                                                bucket: int) -> None:
+    feats, caps, lengths = batch([4, 7, 2, 7, 5, 3])  # unsorted; 6 predicted words at most
+    dec = decoder(attention)
+    kw = {} if rule is None else {"rule": rule}
+    eager = loss_and_grads(dec, feats, caps, lengths, **kw)
+    dec.use_fast_path("compile", bucket=bucket)
+    fixed = loss_and_grads(dec, feats, caps, lengths, **kw)
+    assert_same(eager, fixed)
+    assert eager_compile == [{"dynamic": False, "mode": None}]
+    assert eager[0].logits.shape == (6, 6, V)
+    assert fixed[0].logits.shape == (6, caps.size(1) - 1, V)  # cut back to the captions' width
+    assert (fixed[0].alphas[2, 1:] == 0).all()  # zero past the end, as in the eager loop
+    # Every parameter gets its gradient through the fixed pass (score, gate, LSTM, init, out).
+    assert set(fixed[1]) == {n for n, _ in dec.named_parameters()}
+
+
+def test_sampled_rules_mask_the_padding_steps(eager_compile: list[dict[str, Any]]) -> None:
+    """Hard attention trained by sampling (REINFORCE, Gumbel): log p(s_t) and H[α_t] are zero
+    past each caption's end, and each caption says whether it was sampled."""
+    feats, caps, lengths = batch([4, 7, 2, 5])
+    for estimator in ("reinforce", "gumbel"):
+        dec = decoder("hard", hard_estimator=estimator, semi_sampling_prob=0.5)
+        dec.use_fast_path("compile", bucket=8)
+        dec.train()
+        out = dec(feats, caps, lengths)
+        assert out.attn_log_probs is not None and out.attn_entropy is not None
+        T = caps.size(1) - 1
+        assert out.attn_log_probs.shape == (4, T) and out.sampled is not None
+        steps = (lengths - 1).unsqueeze(1)
+        past = torch.arange(T).unsqueeze(0) >= steps
+        assert (out.attn_log_probs[past] == 0).all() and (out.attn_entropy[past] == 0).all()
+        assert (out.attn_entropy[~past] > 0).all()
+        torch.testing.assert_close(out.alphas.sum(-1)[~past], torch.ones(int((~past).sum())))
+        assert (out.alphas[past] == 0).all()
+
+
+def test_compiled_pass_equals_the_eager_loop_on_the_cpu() -> None:
+    """The real torch.compile (Inductor, CPU): the same loss and gradients as the eager loop."""
+    feats, caps, lengths = batch([4, 6, 3])
+    dec = decoder("soft")
+    eager = loss_and_grads(dec, feats, caps, lengths)
+    dec.use_fast_path("compile", bucket=4)
+    compiled = loss_and_grads(dec, feats, caps, lengths)
+    assert_same(eager, compiled)
+    again = loss_and_grads(dec, feats, caps, lengths)  # the cached graph, run again
+    assert_same(eager, again)
+
+
+def test_fast_path_settings() -> None:
+    assert resolve_fast_path("auto", torch.device("cuda")) == "graphs"
+    assert resolve_fast_path("auto", torch.device("cpu")) == "off"
+    assert resolve_fast_path("compile", torch.device("cpu")) == "compile"
+    with pytest.raises(ValueError, match=r"fast_path must be auto\|off\|compile\|graphs"):
+        resolve_fast_path("fast", torch.device("cpu"))
+    with pytest.raises(ValueError, match="bucket must be >= 1"):
+        decoder().use_fast_path("compile", bucket=0)
+    # Checkpoints from before the fast path: `compile: true` meant compiling the step.
+    assert upgrade_hparams({"compile": True})["fast_path"] == "compile"
+    assert upgrade_hparams({"compile": False})["fast_path"] == "auto"
+    assert "compile" not in upgrade_hparams({"compile": True})
+
+
+def test_the_module_sets_the_fast_path_up_once(eager_compile: list[dict[str, Any]]) -> None:
+    net = CaptionerConfig(vocab_size=10, backbone="resnet18", weights=None, grid_size=2,
+                          embed_dim=8, hidden_dim=8, attn_dim=8)
+    module = CaptioningModule(net=net)  # auto: off on the CPU
+    module.setup("fit")
+    assert module.captioner.decoder.fast_path == "off" and not eager_compile
+    module = CaptioningModule(net=net, fast_path="compile", fast_bucket=4)
+    module.setup("fit")
+    module.setup("validate")  # once only
+    assert eager_compile == [{"dynamic": False, "mode": None}]
+    assert module.captioner.decoder.fast_bucket == 4
