@@ -97,7 +97,7 @@ class CaptioningModule(L.LightningModule):
             self._attach_feature_cache(dm)
         if self.captioner.decoder.fast_path == "off":  # once: a compiled pass keeps its graphs
             device = self.trainer.strategy.root_device if self._trainer else self.device
-            mode = resolve_fast_path(self.hparams.fast_path, device)
+            mode = resolve_fast_path(self.hparams.fast_path, device, self.net_config.attention)
             self.captioner.decoder.use_fast_path(mode, bucket=self.hparams.fast_bucket)
 
     def _attach_feature_cache(self, dm: Any) -> None:

@@ -128,6 +128,7 @@ def test_compiled_pass_equals_the_eager_loop_on_the_cpu() -> None:
 
 def test_fast_path_settings() -> None:
     assert resolve_fast_path("auto", torch.device("cuda")) == "graphs"
+    assert resolve_fast_path("auto", torch.device("cuda"), "hard") == "off"
     assert resolve_fast_path("auto", torch.device("cpu")) == "off"
     assert resolve_fast_path("compile", torch.device("cpu")) == "compile"
     with pytest.raises(ValueError, match=r"fast_path must be auto\|off\|compile\|graphs"):

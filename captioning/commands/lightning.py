@@ -56,7 +56,7 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 #: Model settings that only affect decoding and outputs: a checkpoint's stored values give way
 #: to the ones the user set in a config file or on the command line.
 USER_WINS = (*(f"model.decode.{f.name}" for f in fields(DecodeConfig)), "model.compute_metrics",
-             "model.results_dir", "model.compile", "model.net.hard_decode")
+             "model.results_dir", "model.fast_path", "model.fast_bucket", "model.net.hard_decode")
 #: Settings that only decide how a model is initialised: with a checkpoint every weight comes
 #: from it, so a flag that differs from the checkpoint's is no conflict.
 INIT_ONLY = ("model.net.weights", "model.init_from")

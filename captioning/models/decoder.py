@@ -352,11 +352,12 @@ class AttentionLSTMDecoder(nn.Module):
                 torch.stack(ents, 1) * mask.to(ents[0].dtype))
 
 
-def resolve_fast_path(setting: str, device: torch.device) -> FastPath:
-    """The fast path for a device: `auto` is `graphs` on CUDA (docs/benchmarks.md has the
-    figures) and `off` elsewhere; `off`, `compile` and `graphs` stand as given."""
+def resolve_fast_path(setting: str, device: torch.device, attention: str = "soft") -> FastPath:
+    """The fast path for a device: `auto` is `graphs` for soft attention on CUDA, where it was
+    measured faster (docs/benchmarks.md), and `off` elsewhere (hard attention's sampled passes
+    were not measured on a GPU); `off`, `compile` and `graphs` stand as given."""
     if setting == "auto":
-        return "graphs" if device.type == "cuda" else "off"
+        return "graphs" if device.type == "cuda" and attention == "soft" else "off"
     if setting not in ("off", "compile", "graphs"):
         raise ValueError(f"fast_path must be auto|off|compile|graphs, got {setting!r}")
     return setting  # type: ignore[return-value]
