@@ -9,8 +9,8 @@ The decoder exposes three calls that every decoding strategy needs:
 `forward` is the teacher-forced pass used for training. It runs each step only on the captions
 that are still going (the batch is sorted by length), so no LSTM work is spent on padding.
 With a fast path (`use_fast_path`) it instead runs every caption for a fixed number of steps
-(the longest caption's, rounded up to a multiple of `bucket`) and masks the outputs past each
-caption's end: fixed shapes, so that `torch.compile` (`compile`) fuses the whole unrolled pass
+(the batch's caption width, rounded up to a multiple of `bucket`) and masks the outputs past
+each caption's end: fixed shapes, so that `torch.compile` (`compile`) fuses the whole unrolled pass
 and, on CUDA, `reduce-overhead` (`graphs`) replays it as CUDA graphs, one per bucket.
 
 Hard attention is trained with sampled locations (`hard_estimator: reinforce`, §4.1) or with the
@@ -341,15 +341,15 @@ class AttentionLSTMDecoder(nn.Module):
             if sel.log_prob is not None and sel.entropy is not None:
                 log_ps.append(sel.log_prob)
                 ents.append(sel.entropy)
-        m = mask.unsqueeze(-1)  # (B, T, 1)
-        hs_bt = torch.stack(hs, 1) * m.to(h.dtype)  # (B, T, H)
-        zs_bt = torch.stack(zs, 1) * m.to(zs[0].dtype)  # (B, T, D)
-        alpha = torch.stack(alphas, 1) * m.to(alphas[0].dtype)  # (B, T, L)
+        m = mask.unsqueeze(-1)  # (B, T, 1); `where`, not a product: past the end stays 0
+        hs_bt = torch.where(m, torch.stack(hs, 1), 0.0)  # (B, T, H)
+        zs_bt = torch.where(m, torch.stack(zs, 1), 0.0)  # (B, T, D)
+        alpha = torch.where(m, torch.stack(alphas, 1), 0.0)  # (B, T, L)
         logits = self._output(emb, hs_bt, zs_bt)  # (B, T, V)
         if not log_ps:
             return logits, alpha, None, None
-        return (logits, alpha, torch.stack(log_ps, 1) * mask.to(log_ps[0].dtype),
-                torch.stack(ents, 1) * mask.to(ents[0].dtype))
+        return (logits, alpha, torch.where(mask, torch.stack(log_ps, 1), 0.0),
+                torch.where(mask, torch.stack(ents, 1), 0.0))
 
 
 def resolve_fast_path(setting: str, device: torch.device, attention: str = "soft") -> FastPath:
