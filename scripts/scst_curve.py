@@ -107,7 +107,8 @@ def write_outputs(out: Path, results: dict[int, dict[str, dict[str, float]]],
             for step, v in points:
                 w.writerow([seed, step, *(f"{v.get(k, float('nan')):.4f}"
                                           for k in ("CIDEr", "BLEU-4", "objects_correct"))])
-    lines = [f"Test split, {len(results)} seeds (mean ± sd)", "",
+    n = len(results)
+    lines = [f"Test split, {n} seed{'s' if n != 1 else ''} (mean ± sd)", "",
              "| metric | cross-entropy | after SCST | change (mean of per-seed changes) |",
              "|---|---|---|---|"]
     for m in METRICS:
