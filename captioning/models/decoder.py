@@ -28,7 +28,7 @@ ReLU layers (with dropout) on the mean annotation before the init MLPs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
@@ -76,6 +76,26 @@ class DecoderOutput:
     attn_log_probs: Tensor | None = None  # (B, T) log p(s_t | a) of the sampled locations
     attn_entropy: Tensor | None = None  # (B, T) H[α_t]
     sampled: Tensor | None = None  # (B,) bool: the caption used sampled (not expected) context
+
+
+@dataclass
+class _StepOutputs:
+    """Per-step outputs of a teacher-forced pass, collected in lists and stacked once: writing
+    into preallocated (B, T, ...) buffers would make autograd copy the buffer every step."""
+
+    hs: list[Tensor] = field(default_factory=list)  # h_t (b_t, H)
+    zs: list[Tensor] = field(default_factory=list)  # ẑ_t (b_t, D)
+    alphas: list[Tensor] = field(default_factory=list)  # α_t (b_t, L)
+    log_ps: list[Tensor] = field(default_factory=list)  # log p(s_t | a), sampling rules only
+    ents: list[Tensor] = field(default_factory=list)  # H[α_t], sampling rules only
+
+    def add(self, h: Tensor, z_hat: Tensor, sel: Selection) -> None:
+        self.hs.append(h)
+        self.zs.append(z_hat)
+        self.alphas.append(sel.alpha)
+        if sel.log_prob is not None and sel.entropy is not None:
+            self.log_ps.append(sel.log_prob)
+            self.ents.append(sel.entropy)
 
 
 class AttentionLSTMDecoder(nn.Module):
@@ -254,13 +274,7 @@ class AttentionLSTMDecoder(nn.Module):
         rule, semi = self._training_rule() if rule is None else (rule, False)
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
 
-        # Per-step outputs are collected in lists and padded once: writing into preallocated
-        # (B, T, ...) buffers would make autograd copy the whole buffer at every step.
-        hs: list[Tensor] = []
-        zs: list[Tensor] = []
-        alphas_t: list[Tensor] = []
-        log_ps_t: list[Tensor] = []
-        ents_t: list[Tensor] = []
+        trace = _StepOutputs()
         active = B
         mem_t, ue = memory, use_expected
         for t in range(T):
@@ -271,18 +285,14 @@ class AttentionLSTMDecoder(nn.Module):
                 mem_t = Memory(memory.values[:active], memory.keys[:active])
                 ue = use_expected[:active] if use_expected is not None else None
             h, c, z_hat, sel = self._advance(emb[:active, t], h, c, mem_t, rule, ue)
-            hs.append(h)
-            zs.append(z_hat)
-            alphas_t.append(sel.alpha)
-            if sel.log_prob is not None and sel.entropy is not None:
-                log_ps_t.append(sel.log_prob)
-                ents_t.append(sel.entropy)
-        hs_bt, zs_bt = _stack_padded(hs, B), _stack_padded(zs, B)  # (B, T, H), (B, T, D)
-        alphas = _stack_padded(alphas_t, B) if T else emb.new_zeros(B, 0, L)  # (B, T, L)
+            trace.add(h, z_hat, sel)
+        hs_bt = _stack_padded(trace.hs, B)  # (B, T, H)
+        zs_bt = _stack_padded(trace.zs, B)  # (B, T, D)
+        alphas = _stack_padded(trace.alphas, B) if T else emb.new_zeros(B, 0, L)  # (B, T, L)
         logits = self._output(emb, hs_bt, zs_bt) if T else emb.new_zeros(B, 0, self.vocab_size)
         sampling = rule in ("sample", "gumbel")  # a location per step: log p(s_t | a) and H
-        log_ps = _stack_padded(log_ps_t, B) if sampling and T else None  # (B, T)
-        ents = _stack_padded(ents_t, B) if sampling and T else None
+        log_ps = _stack_padded(trace.log_ps, B) if sampling and T else None  # (B, T)
+        ents = _stack_padded(trace.ents, B) if sampling and T else None
         if sampling and not T:
             log_ps, ents = emb.new_zeros(B, 0), emb.new_zeros(B, 0)
 
@@ -332,24 +342,19 @@ class AttentionLSTMDecoder(nn.Module):
         state = self.init_state(memory)
         h, c = state.h, state.c
         emb = self.embed(tokens)  # (B, T, E)
-        hs, zs, alphas, log_ps, ents = [], [], [], [], []
+        trace = _StepOutputs()
         for t in range(tokens.size(1)):
             h, c, z_hat, sel = self._advance(emb[:, t], h, c, memory, rule, use_expected)
-            hs.append(h)
-            zs.append(z_hat)
-            alphas.append(sel.alpha)
-            if sel.log_prob is not None and sel.entropy is not None:
-                log_ps.append(sel.log_prob)
-                ents.append(sel.entropy)
+            trace.add(h, z_hat, sel)
         m = mask.unsqueeze(-1)  # (B, T, 1); `where`, not a product: past the end stays 0
-        hs_bt = torch.where(m, torch.stack(hs, 1), 0.0)  # (B, T, H)
-        zs_bt = torch.where(m, torch.stack(zs, 1), 0.0)  # (B, T, D)
-        alpha = torch.where(m, torch.stack(alphas, 1), 0.0)  # (B, T, L)
+        hs_bt = torch.where(m, torch.stack(trace.hs, 1), 0.0)  # (B, T, H)
+        zs_bt = torch.where(m, torch.stack(trace.zs, 1), 0.0)  # (B, T, D)
+        alpha = torch.where(m, torch.stack(trace.alphas, 1), 0.0)  # (B, T, L)
         logits = self._output(emb, hs_bt, zs_bt)  # (B, T, V)
-        if not log_ps:
+        if not trace.log_ps:
             return logits, alpha, None, None
-        return (logits, alpha, torch.where(mask, torch.stack(log_ps, 1), 0.0),
-                torch.where(mask, torch.stack(ents, 1), 0.0))
+        return (logits, alpha, torch.where(mask, torch.stack(trace.log_ps, 1), 0.0),
+                torch.where(mask, torch.stack(trace.ents, 1), 0.0))
 
 
 def resolve_fast_path(setting: str, device: torch.device, attention: str = "soft") -> FastPath:
