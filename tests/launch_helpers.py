@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
+from tiny_runs import batch_pairs
 
 
 class RecordRankPairs(L.Callback):
@@ -20,10 +21,8 @@ class RecordRankPairs(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        pairs = [[str(i), c[:n].tolist()] for i, c, n in
-                 zip(batch.image_ids, batch.captions, batch.lengths.tolist(), strict=True)]
         line = {"rank": trainer.global_rank, "world": trainer.world_size,
-                "epoch": trainer.current_epoch, "pairs": pairs}
+                "epoch": trainer.current_epoch, "pairs": batch_pairs(batch)}
         path = Path(self.folder) / f"rank{trainer.global_rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:

@@ -169,6 +169,12 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def batch_pairs(batch: Any) -> list[list[Any]]:
+    """A batch's training pairs: [[image id, caption token ids], ...]."""
+    return [[str(i), c[:n].tolist()] for i, c, n in
+            zip(batch.image_ids, batch.captions, batch.lengths.tolist(), strict=True)]
+
+
 class RecordPairs(L.Callback):
     """Append each training pair the model sees to `path`, one JSON line per batch:
     [epoch, [[image id, caption token ids], ...]] (flushed, so a killed run keeps its lines)."""
@@ -178,10 +184,8 @@ class RecordPairs(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        pairs = [[str(i), c[:n].tolist()] for i, c, n in
-                 zip(batch.image_ids, batch.captions, batch.lengths.tolist(), strict=True)]
         with open(self.path, "a") as f:
-            f.write(json.dumps([trainer.current_epoch, pairs]) + "\n")
+            f.write(json.dumps([trainer.current_epoch, batch_pairs(batch)]) + "\n")
 
 
 class BlockingCheckpointIO(AtomicCheckpointIO):
