@@ -56,7 +56,7 @@ class Memory(NamedTuple):
     """What the decoder attends over; fixed for a caption, never reordered by beam search."""
 
     values: Tensor  # (B, L, D) annotation vectors a_i
-    keys: Tensor  # (B, L, K) the scorer's keys, e.g. W_a a_i
+    keys: Tensor  # (B', L, K) the scorer's keys, e.g. W_a a_i; the first B rows are used
 
 
 class DecoderState(NamedTuple):
@@ -174,7 +174,8 @@ class AttentionLSTMDecoder(nn.Module):
     ) -> tuple[Tensor, DecoderState, Tensor]:
         """One word: tokens y_{t-1} (B,) -> log p(y_t) (B, V), new state, α_t (B, L)."""
         emb = self.embed(tokens)  # (B, E)
-        h, c, z_hat, sel = self._advance(emb, state.h, state.c, memory, self.step_rule)
+        h, c, z_hat, sel = self._advance(self._word_gates(emb), state.h, state.c, memory,
+                                         self.step_rule, self._recurrent_weight())
         logits = self._output(emb, h, z_hat)
         return F.log_softmax(logits.float(), dim=-1), DecoderState(h, c, sel.location), sel.alpha
 
@@ -202,15 +203,29 @@ class AttentionLSTMDecoder(nn.Module):
         return "expected" if self.attention_kind == "soft" else self.hard_decode
 
     # -- internals -------------------------------------------------------------------------
+    def _word_gates(self, emb: Tensor) -> Tensor:
+        """The LSTM gates' part from the previous word, with both biases: (..., E) -> (..., 4H).
+        Teacher forcing computes it for every step at once, as one large product."""
+        w = self.lstm.weight_ih[:, : emb.size(-1)]  # (4H, E)
+        return F.linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh)
+
+    def _recurrent_weight(self) -> Tensor:
+        """[W_z | W_hh]^T (D + H, 4H): the gates' part from ẑ_t and h_{t-1}, one product a step.
+        Built once a pass, so that its gradient is summed over the steps before it is split."""
+        E = self.embed.embedding_dim
+        return torch.cat([self.lstm.weight_ih[:, E:], self.lstm.weight_hh], dim=1).t()
+
     def _advance(
         self,
-        emb: Tensor,
+        word_gates: Tensor,
         h: Tensor,
         c: Tensor,
         memory: Memory,
         rule: SelectRule,
+        recurrent: Tensor,
         use_expected: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Selection]:
+        """One step from `word_gates` (b, 4H) and the state (b, H): h, c, ẑ_t and the selection."""
         scores = self.attention(memory.keys, h)  # e_ti = f_att(a_i, h_{t-1}) (Eq. 4)
         sel = select(scores, rule, tau=self.tau)  # α_t (Eq. 5) and the weights
         weights = sel.weights
@@ -224,7 +239,11 @@ class AttentionLSTMDecoder(nn.Module):
         z = torch.bmm(weights.unsqueeze(1), memory.values).squeeze(1)  # z_t = Σ_i w_ti a_i (Eq. 6)
         beta = torch.sigmoid(self.gate(h))  # β_t = σ(f_β(h_{t-1})) (§4.2.1)
         z_hat = beta * z  # (B, D)
-        h, c = self.lstm(torch.cat([emb, z_hat], dim=1), (h, c))  # Eqs. 1-3
+        # Eqs. 1-3, the LSTM (nn.LSTMCell's weights and gate order i, f, g, o)
+        gates = torch.addmm(word_gates, torch.cat([z_hat, h], dim=1), recurrent)  # (b, 4H)
+        i, f, g, o = gates.chunk(4, dim=1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
         return h, c, z_hat, sel
 
     def _output(self, emb: Tensor, h: Tensor, z_hat: Tensor) -> Tensor:
@@ -277,14 +296,19 @@ class AttentionLSTMDecoder(nn.Module):
         trace = _StepOutputs()
         active = B
         mem_t, ue = memory, use_expected
+        word_gates = self._word_gates(emb).unbind(1)  # T x (B, 4H); unbind: one backward node
+        recurrent = self._recurrent_weight()
         for t in range(T):
             while active > 0 and steps_cpu[active - 1] <= t:
                 active -= 1  # captions are sorted longest first: shrink to those still going
             if active < h.size(0):  # slice only when the batch shrinks (slicing costs backward)
                 h, c = h[:active], c[:active]
-                mem_t = Memory(memory.values[:active], memory.keys[:active])
+                # The scorer reads the first `active` rows of the keys itself: a sliced keys
+                # tensor would cost a zero-filled (B, L, K) gradient per slice in backward.
+                mem_t = Memory(memory.values[:active], memory.keys)
                 ue = use_expected[:active] if use_expected is not None else None
-            h, c, z_hat, sel = self._advance(emb[:active, t], h, c, mem_t, rule, ue)
+            h, c, z_hat, sel = self._advance(word_gates[t][:active], h, c, mem_t, rule,
+                                             recurrent, ue)
             trace.add(h, z_hat, sel)
         hs_bt = _stack_padded(trace.hs, B)  # (B, T, H)
         zs_bt = _stack_padded(trace.zs, B)  # (B, T, D)
@@ -343,8 +367,11 @@ class AttentionLSTMDecoder(nn.Module):
         h, c = state.h, state.c
         emb = self.embed(tokens)  # (B, T, E)
         trace = _StepOutputs()
+        word_gates = self._word_gates(emb).unbind(1)  # T x (B, 4H)
+        recurrent = self._recurrent_weight()
         for t in range(tokens.size(1)):
-            h, c, z_hat, sel = self._advance(emb[:, t], h, c, memory, rule, use_expected)
+            h, c, z_hat, sel = self._advance(word_gates[t], h, c, memory, rule, recurrent,
+                                             use_expected)
             trace.add(h, z_hat, sel)
         m = mask.unsqueeze(-1)  # (B, T, 1); `where`, not a product: past the end stays 0
         hs_bt = torch.where(m, torch.stack(trace.hs, 1), 0.0)  # (B, T, H)

@@ -1,0 +1,108 @@
+"""The CPU training step's kernels: the fused additive score (`AdditiveScore`) and the decoder's
+LSTM over precomputed word gates. Both must give what the plain formulas give: the same
+scores, loss and every gradient to 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from captioning.models.attention import AdditiveAttention, AdditiveScore
+from captioning.models.decoder import AttentionLSTMDecoder
+
+
+def reference_score(keys: Tensor, q: Tensor, w: Tensor) -> Tensor:
+    """w^T tanh(k_i + q) with autograd's ops, on the first q.size(0) rows of the keys."""
+    return (torch.tanh(keys[: q.size(0)] + q.unsqueeze(1)) @ w[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [5, 3])  # all rows, and the first 3 of 5 (captions ended)
+def test_fused_score_equals_the_formula_and_its_gradients(rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(5, 49, 32, generator=g, dtype=dtype) * 2
+    q = torch.randn(rows, 32, generator=g, dtype=dtype)
+    w = torch.randn(1, 32, generator=g, dtype=dtype)
+    weight = torch.randn(rows, 49, generator=g, dtype=dtype)  # every score weighs differently
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    outs = []
+    for fn in (reference_score, AdditiveScore.apply):
+        k, qq, ww = (x.clone().requires_grad_() for x in (keys, q, w))
+        e = fn(k, qq, ww)
+        (F.softmax(e, -1) * weight).sum().backward()
+        outs.append((e.detach(), k.grad, qq.grad, ww.grad))
+    for ref, fused, name in zip(*outs, ("scores", "keys grad", "query grad", "w grad")):
+        assert fused.shape == ref.shape, name
+        torch.testing.assert_close(fused, ref, rtol=tol, atol=tol, msg=name)
+    assert bool(outs[1][1][rows:].eq(0).all())  # rows past the running captions get no gradient
+
+
+def test_fused_score_backs_up_twice_through_a_retained_graph() -> None:
+    keys, q, w = (torch.randn(*s, requires_grad=True) for s in ((2, 3, 4), (2, 4), (1, 4)))
+    e = AdditiveScore.apply(keys, q, w).sum()
+    e.backward(retain_graph=True)
+    first = keys.grad.clone()
+    e.backward()
+    torch.testing.assert_close(keys.grad, 2 * first)
+
+
+def test_additive_attention_uses_the_fused_score_on_the_cpu() -> None:
+    torch.manual_seed(0)
+    att = AdditiveAttention(feature_dim=8, hidden_dim=6, attn_dim=7)
+    keys, h = att.project(torch.randn(4, 9, 8)), torch.randn(3, 6)
+    e = att(keys, h)
+    assert e.grad_fn is not None and "AdditiveScore" in type(e.grad_fn).__name__
+    ref = att.score(torch.tanh(keys[:3] + att.query(h).unsqueeze(1))).squeeze(-1)
+    torch.testing.assert_close(e, ref, rtol=1e-5, atol=1e-6)
+
+
+def reference_loss(dec: AttentionLSTMDecoder, feats: Tensor, caps: Tensor,
+                   lengths: Tensor) -> Tensor:
+    """The teacher-forced loss written out with nn.LSTMCell and the plain tanh score: every
+    caption runs every step, padding is masked out of the loss."""
+    keys = dec.attention.project(feats)
+    mean = feats.mean(1)
+    h, c = torch.tanh(dec.init_h(mean)), torch.tanh(dec.init_c(mean))
+    T = int(lengths.max()) - 1
+    att, logits = dec.attention, []
+    for t in range(T):
+        emb = dec.embed(caps[:, t])
+        e = att.score(torch.tanh(keys + att.query(h).unsqueeze(1))).squeeze(-1)
+        z = torch.bmm(F.softmax(e, -1).unsqueeze(1), feats).squeeze(1)
+        z_hat = torch.sigmoid(dec.gate(h)) * z
+        h, c = dec.lstm(torch.cat([emb, z_hat], 1), (h, c))
+        logits.append(dec.out(emb + dec.out_h(h) + dec.out_z(z_hat)))
+    mask = torch.arange(T) < (lengths - 1).unsqueeze(1)
+    return F.cross_entropy(torch.stack(logits, 1)[mask], caps[:, 1: T + 1][mask])
+
+
+@pytest.mark.parametrize("dims", [(6, 49, 24, 20), (32, 196, 512, 512)],
+                         ids=["small", "issue17-size"])
+def test_decoder_loss_and_gradients_equal_the_reference(dims: tuple[int, int, int, int]) -> None:
+    B, L, D, H = dims
+    torch.manual_seed(0)
+    dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=D, embed_dim=H, hidden_dim=H,
+                               attn_dim=H, dropout=0.0)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(B, L, D, generator=g).relu()
+    lengths = torch.randint(4, 15, (B,), generator=g)
+    caps = torch.randint(4, 40, (B, 15), generator=g)
+    grads = []
+    for run in ("decoder", "reference"):
+        dec.zero_grad()
+        if run == "decoder":
+            out = dec(feats, caps, lengths)
+            mask = torch.arange(out.logits.size(1)) < (lengths - 1).unsqueeze(1)
+            loss = F.cross_entropy(out.logits[mask], caps[:, 1: out.logits.size(1) + 1][mask])
+        else:
+            loss = reference_loss(dec, feats, caps, lengths)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in dec.named_parameters()
+                                      if p.grad is not None}))
+    (loss_a, ga), (loss_b, gb) = grads
+    assert abs(loss_a.item() - loss_b.item()) <= 1e-5
+    assert ga.keys() == gb.keys() and len(ga) == len(list(dec.parameters()))
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-5, msg=name)
