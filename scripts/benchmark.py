@@ -5,6 +5,7 @@
     python scripts/benchmark.py --device cuda --precision bf16-mixed --paper
     python scripts/benchmark.py --preset issue17       # CPU: issue 17's setting, with the roofline
     python scripts/benchmark.py --roofline --profile   # + machine roofline, top ops of a profile
+    python scripts/benchmark.py --preset issue17 --against 361b9f1   # before / after, one run
 
 Rows (each measured in fresh subprocesses, so that peak memory is per row; the training rows
 in `--rounds` interleaved rounds, so that a busy spell of a shared machine is spread over all
@@ -12,8 +13,10 @@ of them):
 
 * training captions/s through the real `CaptionDataModule` + `CaptioningModule` + Lightning
   `Trainer`, with the encoder's features cached (the CNN never runs) or not (the frozen CNN
-  runs on every batch), soft and hard attention; cached soft also without length bucketing
-  and with the decoder's fast path (`fast_path: compile`, and `graphs` on CUDA);
+  runs on every batch), soft and hard attention; cached soft also without length bucketing,
+  with an image's captions in one batch (`data.group_by_image`: the decoder projects the
+  image's keys once), and with the decoder's fast path (`fast_path: compile`, and `graphs`
+  on CUDA);
 * beam-search captions/s on cached features (<end> disabled, so every caption runs
   `--max-len` steps: an untrained decoder would otherwise stop at once);
 * the COCO-size index build: a synthetic Karpathy file of 123,287 images / 616,767 captions
@@ -46,6 +49,10 @@ GFLOP/s of the cached soft row (FLOPs per pair x its mean pairs/s), with its sha
 matmul rate. `--profile` runs `torch.profiler` over `--profile-steps` cached soft training steps
 and prints the top ops by self CPU time. `--preset NAME` sets a named setting (`PRESETS`); flags
 given on the command line win.
+
+`--against REV` adds the cached soft row once more, run by the project's code at git revision
+REV (exported with `git archive`; its benchmark.py must read the same worker spec), in the
+same interleaved rounds: a before and after on one machine in one run.
 """
 
 from __future__ import annotations
@@ -175,6 +182,7 @@ def build_run(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
         "pin_memory": spec["device"].startswith("cuda"),
         "persistent_workers": spec["num_workers"] > 0,
         "length_bucketing": spec.get("bucketing", True), "feature_cache": cached,
+        "group_by_image": spec.get("group_by_image", False),
         "cache_dir": spec["cache_dir"], "validate_images": False, "vocab_path": None,
         "cache_verify": spec.get("cache_verify", "full")}
     if karpathy:
@@ -580,14 +588,32 @@ WORKERS = {"train": worker_train, "beam": worker_beam, "coco_index": worker_coco
 
 def start_worker(spec: dict[str, Any], threads: int | None) -> subprocess.Popen[str]:
     """A worker in a fresh process (`finish_worker` waits for its result). `threads`: its
-    intra-op threads (OMP_NUM_THREADS)."""
+    intra-op threads (OMP_NUM_THREADS). With `spec["code"]` (a `--against` export) the worker
+    is that revision's benchmark.py, importing that revision's package."""
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # a DDP worker sets up its own ranks
-    return subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
+    script = __file__
+    if spec.get("code"):
+        script = str(Path(spec["code"]) / "scripts" / "benchmark.py")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [spec["code"], env.get("PYTHONPATH")]))
+    return subprocess.Popen([sys.executable, script, "--worker", json.dumps(spec)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def export_revision(rev: str, dest: Path) -> Path:
+    """The project's package and scripts at git revision `rev`, written under `dest`."""
+    root = Path(__file__).resolve().parent.parent
+    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", f"{rev}^{{commit}}"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    out = dest / f"rev-{sha}"
+    out.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", sha,
+                              "captioning", "scripts"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
 
 
 def finish_worker(proc: subprocess.Popen[str], kind: str) -> dict[str, Any]:
@@ -640,7 +666,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # `net.grid_size: 14`), decoder 512/512/512, batch 32, 2 threads, 1,500 training images x
     # 5 captions; cached soft training with the roofline.
     "issue17": {"encoder": "resnet18", "image_size": 256, "grid_size": 14, "batch_size": 32,
-                "threads": 2, "num_train": 1500, "rows": "cached", "attentions": "soft",
+                "threads": 2, "num_train": 1500, "rows": "cached,grouped", "attentions": "soft",
                 "roofline": True},
 }
 ENCODERS = ("mobilenet_v2", "vgg19", "resnet18")
@@ -675,7 +701,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=20)
     p.add_argument("--rows", default="uncached,cached,channels_last,nobucket,compile,beam,coco",
                    help="comma-separated subset of: uncached,cached,channels_last,nobucket,"
-                        "compile,beam,coco")
+                        "grouped,compile,beam,coco")
     p.add_argument("--attentions", default="soft,hard",
                    help="attention kinds of the uncached and cached rows")
     p.add_argument("--threads", type=int, default=None,
@@ -689,6 +715,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="also: torch.profiler over cached soft training, top ops by self CPU time")
     p.add_argument("--profile-steps", type=int, default=5, help="profiled steps")
+    p.add_argument("--against", default=None, metavar="REV",
+                   help="also run the cached soft row with the code at this git revision")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--tiny", action="store_true",
@@ -747,8 +775,10 @@ def make_base(work: Path, *, device: str = "cpu", precision: str = "32-true",
     return base
 
 
-def train_configs(args: argparse.Namespace, weights: str) -> list[tuple[str, dict[str, Any]]]:
-    """(row name, spec overrides) of the training rows that `args` asks for."""
+def train_configs(args: argparse.Namespace, weights: str, against: str | None = None
+                  ) -> list[tuple[str, dict[str, Any]]]:
+    """(row name, spec overrides) of the training rows that `args` asks for; `against`: the
+    exported code of `--against`."""
     rows = set(args.rows.split(","))
     attentions = args.attentions.split(",")
     if args.roofline:  # it reads the cached soft row's rate
@@ -763,11 +793,15 @@ def train_configs(args: argparse.Namespace, weights: str) -> list[tuple[str, dic
             configs.append((f"train, cached, {attention}", {
                 "attention": attention,
                 "save_weights": weights if attention == "soft" else None}))
+    if against:
+        configs.append((f"train, cached, soft, code at {args.against}", {"code": against}))
     if "channels_last" in rows:
         configs.append(("train, uncached, soft, channels_last",
                         {"cached": False, "channels_last": True}))
     if "nobucket" in rows:
         configs.append(("train, cached, soft, no bucketing", {"bucketing": False}))
+    if "grouped" in rows:  # an image's captions in one batch: its keys projected once
+        configs.append(("train, cached, soft, grouped by image", {"group_by_image": True}))
     if "compile" in rows:  # the fixed-shape pass: compiled, and replayed as CUDA graphs
         configs.append(("train, cached, soft, fast_path compile",
                         {"fast_path": "compile", "warmup": max(args.warmup, 3)}))
@@ -849,7 +883,8 @@ def main(argv: list[str] | None = None) -> int:
                          channels_last=args.channels_last, steps=args.steps,
                          warmup=args.warmup, threads=args.threads)
         weights = str(work / "cached_soft.pt")
-        results = run_training_rows(base, args, train_configs(args, weights))
+        against = str(export_revision(args.against, work)) if args.against else None
+        results = run_training_rows(base, args, train_configs(args, weights, against))
         if args.roofline:
             extra["roofline"] = run_roofline(base, args, dict(results)["train, cached, soft"])
         if args.profile:
@@ -935,6 +970,11 @@ def _print_table(args: argparse.Namespace, batch: int, results: list[tuple[str, 
     if c and u:
         print(f"cached / uncached training, soft, CNN in channels_last: "
               f"{c['captions_per_s'] / u['captions_per_s']:.1f}x")
+    c, k = by.get("train, cached, soft"), by.get(f"train, cached, soft, code at {args.against}")
+    if c and k:
+        print(f"cached soft training, this code / the code at {args.against}: "
+              f"{c['captions_per_s'] / k['captions_per_s']:.2f}x (medians), "
+              f"{c['mean_captions_per_s'] / k['mean_captions_per_s']:.2f}x (means)")
     for mode in ("compile", "graphs"):
         c, k = by.get("train, cached, soft"), by.get(f"train, cached, soft, fast_path {mode}")
         if c and k:

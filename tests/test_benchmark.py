@@ -55,5 +55,20 @@ def test_issue17_preset_sets_the_issue_setting() -> None:
     args = benchmark.parse_args(["--preset", "issue17", "--steps", "4"])
     assert (args.encoder, args.image_size, args.grid_size, args.batch_size, args.threads,
             args.num_train) == ("resnet18", 256, 14, 32, 2, 1500)
-    assert args.roofline and args.rows == "cached" and args.steps == 4  # a flag wins
+    assert args.roofline and args.rows == "cached,grouped" and args.steps == 4  # a flag wins
     assert benchmark.grid_description(args) == "14x14x512"
+
+
+def test_against_a_revision_adds_its_row(tmp_path: Path) -> None:
+    """`--against REV`: the cached soft row again, run by the code at REV (here HEAD)."""
+    out = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached", "--attentions",
+         "soft", "--against", "HEAD", "--steps", "1", "--rounds", "1", "--warmup", "1",
+         "--num-train", "16", "--batch-size", "4", "--threads", "1",
+         "--workdir", str(tmp_path / "work")],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| train, cached, soft, code at HEAD" in out.stdout
+    assert "cached soft training, this code / the code at HEAD:" in out.stdout
+    exported = list((tmp_path / "work").glob("rev-*/captioning/models/decoder.py"))
+    assert len(exported) == 1

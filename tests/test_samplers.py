@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from torch.utils.data.distributed import DistributedSampler
 
 from captioning.data.samplers import BucketBatchSampler, EpochShuffleSampler
@@ -56,3 +57,38 @@ def test_bucket_sampler_shards_disjointly_across_replicas() -> None:
                                        6, lengths=lengths))) == len(sampler)
     assert not set(shards[0]) & set(shards[1])
     assert sorted(shards[0] + shards[1]) == list(range(n))
+
+
+def test_grouped_batches_hold_whole_images() -> None:
+    """With `groups`, an image's captions sit side by side: a batch of 10 holds two whole
+    images of 5 captions when the pool's cuts fall on image boundaries, and every caption still
+    lands in exactly one batch, in a (seed, epoch) order."""
+    images, per = 40, 5
+    groups = np.repeat(np.arange(images), per)  # caption -> image
+    lengths = _lengths(images * per, seed=3)
+    sampler = BucketBatchSampler(EpochShuffleSampler(len(groups), seed=0), 10, lengths=lengths,
+                                 seed=0, groups=groups, bucket_size_multiplier=1000)
+    runs = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        assert sorted(i for b in batches for i in b) == list(range(len(groups)))
+        for b in batches:
+            imgs, counts = np.unique(groups[b], return_counts=True)
+            assert len(imgs) == 2 and (counts == per).all()  # whole images, no split
+            for img in imgs:  # each image's captions longest first
+                mine = lengths[[i for i in b if groups[i] == img]]
+                assert list(mine) == sorted(mine, reverse=True)
+        runs.append(batches)
+    assert runs[0] != runs[1]
+    sampler.set_epoch(0)
+    assert list(sampler) == runs[0]
+    # Ungrouped, the same pool mixes images: most batches hold more than two.
+    plain = BucketBatchSampler(EpochShuffleSampler(len(groups), seed=0), 10, lengths=lengths,
+                               seed=0, bucket_size_multiplier=1000)
+    assert np.mean([len(np.unique(groups[b])) for b in plain]) > 4
+
+
+def test_grouped_batches_refuse_groups_of_another_size() -> None:
+    with pytest.raises(ValueError, match="groups has 3 entries for 4 lengths"):
+        BucketBatchSampler(range(4), 2, lengths=[3, 4, 5, 6], groups=[0, 0, 1])
