@@ -50,9 +50,9 @@ matmul rate. `--profile` runs `torch.profiler` over `--profile-steps` cached sof
 and prints the top ops by self CPU time. `--preset NAME` sets a named setting (`PRESETS`); flags
 given on the command line win.
 
-`--against REV` adds the cached soft row once more, run by the project's code at git revision
-REV (exported with `git archive`; its benchmark.py must read the same worker spec), in the
-same interleaved rounds: a before and after on one machine in one run.
+`--against REV [REV ...]` adds the cached soft row once more per revision, run by the project's
+code at that git revision (exported with `git archive`; its benchmark.py must read the same
+worker spec), in the same interleaved rounds: a before and after on one machine in one run.
 """
 
 from __future__ import annotations
@@ -435,15 +435,17 @@ def top_ops(events: Any, steps: int, n: int = 15) -> list[dict[str, Any]]:
     return rows
 
 
-def matmul_rate(n: int, repeats: int = 5, device: str = "cpu") -> dict[str, float]:
-    """GFLOP/s of an fp32 (n, n) x (n, n) `torch.mm` (2 n^3 FLOPs): best and median of
-    `repeats` after a warm-up."""
+def matmul_rate(n: int, repeats: int = 5, device: str = "cpu",
+                shape: tuple[int, int, int] | None = None) -> dict[str, float]:
+    """GFLOP/s of an fp32 (n, n) x (n, n) `torch.mm` (2 n^3 FLOPs), or of an (m, k) x (k, p)
+    one for `shape` (m, k, p): best and median of `repeats` after a warm-up."""
     import torch
 
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    m, k, p = shape or (n, n, n)
+    a, b = torch.randn(m, k, device=device), torch.randn(k, p, device=device)
     c = torch.mm(a, b)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats * (1 if shape is None else 20)):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -451,7 +453,7 @@ def matmul_rate(n: int, repeats: int = 5, device: str = "cpu") -> dict[str, floa
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    flop = 2 * n**3
+    flop = 2 * m * k * p
     return {"matmul_gflops": flop / min(times) / 1e9,
             "matmul_gflops_median": flop / statistics.median(times) / 1e9, "matmul_size": n}
 
@@ -461,8 +463,13 @@ def worker_roofline(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     rate = matmul_rate(spec["matmul_size"], device=spec["device"])
+    # The decoder's own per-word product: the LSTM gates from [ẑ_t, h_{t-1}], batch rows.
+    dims = 32 if spec.get("tiny") else 512
+    step_shape = (spec["batch_size"], 2 * dims, 4 * dims)
+    step = matmul_rate(0, device=spec["device"], shape=step_shape)
     counted = worker_train({**spec, "count_flops": True})
-    return {**rate, "threads": torch.get_num_threads(),
+    return {**rate, "threads": torch.get_num_threads(), "step_shape": step_shape,
+            "step_matmul_gflops": step["matmul_gflops"],
             **{k: counted[k] for k in ("flops", "flop_pairs", "flop_words")}}
 
 
@@ -715,8 +722,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="also: torch.profiler over cached soft training, top ops by self CPU time")
     p.add_argument("--profile-steps", type=int, default=5, help="profiled steps")
-    p.add_argument("--against", default=None, metavar="REV",
-                   help="also run the cached soft row with the code at this git revision")
+    p.add_argument("--against", nargs="+", default=[], metavar="REV",
+                   help="also run the cached soft row with the code at these git revisions")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--tiny", action="store_true",
@@ -775,10 +782,10 @@ def make_base(work: Path, *, device: str = "cpu", precision: str = "32-true",
     return base
 
 
-def train_configs(args: argparse.Namespace, weights: str, against: str | None = None
-                  ) -> list[tuple[str, dict[str, Any]]]:
+def train_configs(args: argparse.Namespace, weights: str,
+                  against: dict[str, str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     """(row name, spec overrides) of the training rows that `args` asks for; `against`: the
-    exported code of `--against`."""
+    exported code of each `--against` revision."""
     rows = set(args.rows.split(","))
     attentions = args.attentions.split(",")
     if args.roofline:  # it reads the cached soft row's rate
@@ -793,8 +800,8 @@ def train_configs(args: argparse.Namespace, weights: str, against: str | None = 
             configs.append((f"train, cached, {attention}", {
                 "attention": attention,
                 "save_weights": weights if attention == "soft" else None}))
-    if against:
-        configs.append((f"train, cached, soft, code at {args.against}", {"code": against}))
+    for rev, code in (against or {}).items():
+        configs.append((f"train, cached, soft, code at {rev}", {"code": code}))
     if "channels_last" in rows:
         configs.append(("train, uncached, soft, channels_last",
                         {"cached": False, "channels_last": True}))
@@ -883,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
                          channels_last=args.channels_last, steps=args.steps,
                          warmup=args.warmup, threads=args.threads)
         weights = str(work / "cached_soft.pt")
-        against = str(export_revision(args.against, work)) if args.against else None
+        against = {rev: str(export_revision(rev, work)) for rev in args.against}
         results = run_training_rows(base, args, train_configs(args, weights, against))
         if args.roofline:
             extra["roofline"] = run_roofline(base, args, dict(results)["train, cached, soft"])
@@ -970,11 +977,12 @@ def _print_table(args: argparse.Namespace, batch: int, results: list[tuple[str, 
     if c and u:
         print(f"cached / uncached training, soft, CNN in channels_last: "
               f"{c['captions_per_s'] / u['captions_per_s']:.1f}x")
-    c, k = by.get("train, cached, soft"), by.get(f"train, cached, soft, code at {args.against}")
-    if c and k:
-        print(f"cached soft training, this code / the code at {args.against}: "
-              f"{c['captions_per_s'] / k['captions_per_s']:.2f}x (medians), "
-              f"{c['mean_captions_per_s'] / k['mean_captions_per_s']:.2f}x (means)")
+    for rev in args.against:
+        c, k = by.get("train, cached, soft"), by.get(f"train, cached, soft, code at {rev}")
+        if c and k:
+            print(f"cached soft training, this code / the code at {rev}: "
+                  f"{c['captions_per_s'] / k['captions_per_s']:.2f}x (medians), "
+                  f"{c['mean_captions_per_s'] / k['mean_captions_per_s']:.2f}x (means)")
     for mode in ("compile", "graphs"):
         c, k = by.get("train, cached, soft"), by.get(f"train, cached, soft, fast_path {mode}")
         if c and k:
@@ -993,6 +1001,9 @@ def _print_roofline(args: argparse.Namespace, roof: dict[str, Any] | None) -> No
     n = roof["matmul_size"]
     print(f"roofline ({where}): fp32 matmul {n}x{n}: {roof['matmul_gflops']:.1f} GFLOP/s "
           f"(best of 5; median {roof['matmul_gflops_median']:.1f})")
+    m, k, p = roof["step_shape"]
+    print(f"roofline: fp32 matmul at the decoder's per-word shape, the LSTM gates "
+          f"({m}x{k}) x ({k}x{p}): {roof['step_matmul_gflops']:.1f} GFLOP/s (best of 100)")
     print(f"roofline: decoder FLOPs per training pair, forward + backward + optimiser "
           f"(FlopCounterMode, matmul-class ops, over the {roof['flop_pairs']} pairs of one "
           f"timing round's batches, {roof['words_per_pair']:.1f} words per pair): "

@@ -38,6 +38,8 @@ def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
     assert "| train, cached, soft" in out.stdout
     assert "roofline (CPU, 1 thread(s)): fp32 matmul 512x512:" in out.stdout
     assert "of the matmul rate" in out.stdout
+    assert "fp32 matmul at the decoder's per-word shape, the LSTM gates (4x64) x (64x128):" \
+        in out.stdout
     assert "top ops by self CPU time" in out.stdout
     data = json.loads((tmp_path / "bench.json").read_text())
     roof = data["roofline"]
@@ -63,12 +65,13 @@ def test_against_a_revision_adds_its_row(tmp_path: Path) -> None:
     """`--against REV`: the cached soft row again, run by the code at REV (here HEAD)."""
     out = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached", "--attentions",
-         "soft", "--against", "HEAD", "--steps", "1", "--rounds", "1", "--warmup", "1",
+         "soft", "--against", "HEAD", "HEAD~1", "--steps", "1", "--rounds", "1", "--warmup", "1",
          "--num-train", "16", "--batch-size", "4", "--threads", "1",
          "--workdir", str(tmp_path / "work")],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "| train, cached, soft, code at HEAD" in out.stdout
-    assert "cached soft training, this code / the code at HEAD:" in out.stdout
+    for rev in ("HEAD", "HEAD~1"):
+        assert f"| train, cached, soft, code at {rev} " in out.stdout
+        assert f"cached soft training, this code / the code at {rev}:" in out.stdout
     exported = list((tmp_path / "work").glob("rev-*/captioning/models/decoder.py"))
-    assert len(exported) == 1
+    assert len(exported) == 2
