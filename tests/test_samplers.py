@@ -59,34 +59,35 @@ def test_bucket_sampler_shards_disjointly_across_replicas() -> None:
     assert sorted(shards[0] + shards[1]) == list(range(n))
 
 
-def test_grouped_batches_hold_whole_images() -> None:
-    """With `groups`, an image's captions sit side by side: a batch of 10 holds two whole
-    images of 5 captions when the pool's cuts fall on image boundaries, and every caption still
-    lands in exactly one batch, in a (seed, epoch) order."""
-    images, per = 40, 5
+def test_grouped_batches_put_an_images_captions_of_one_length_together() -> None:
+    """With `groups`, ties in length go by image: batches are as bucketed as without (the same
+    length-sorted runs), an image's captions of one length sit side by side, and a batch holds
+    fewer distinct images. Every caption lands in exactly one batch, in a (seed, epoch) order."""
+    images, per = 60, 5
     groups = np.repeat(np.arange(images), per)  # caption -> image
-    lengths = _lengths(images * per, seed=3)
-    sampler = BucketBatchSampler(EpochShuffleSampler(len(groups), seed=0), 10, lengths=lengths,
-                                 seed=0, groups=groups, bucket_size_multiplier=1000)
+    lengths = np.random.default_rng(3).integers(8, 11, size=images * per)  # 3 lengths: ties
+    grouped, plain = (BucketBatchSampler(EpochShuffleSampler(len(groups), seed=0), 10,
+                                         lengths=lengths, seed=0, groups=g,
+                                         bucket_size_multiplier=1000) for g in (groups, None))
     runs = []
     for epoch in (0, 1):
-        sampler.set_epoch(epoch)
-        batches = list(sampler)
+        grouped.set_epoch(epoch)
+        plain.set_epoch(epoch)
+        batches = list(grouped)
         assert sorted(i for b in batches for i in b) == list(range(len(groups)))
+        assert sorted(sorted(lengths[b].tolist()) for b in batches) == \
+            sorted(sorted(lengths[b].tolist()) for b in plain)  # the same bucketing
         for b in batches:
-            imgs, counts = np.unique(groups[b], return_counts=True)
-            assert len(imgs) == 2 and (counts == per).all()  # whole images, no split
-            for img in imgs:  # each image's captions longest first
-                mine = lengths[[i for i in b if groups[i] == img]]
-                assert list(mine) == sorted(mine, reverse=True)
+            assert list(lengths[b]) == sorted(lengths[b], reverse=True)
+            keys = list(zip(lengths[b].tolist(), groups[b].tolist()))
+            runs_of = [k for i, k in enumerate(keys) if i == 0 or k != keys[i - 1]]
+            assert len(runs_of) == len(set(keys))  # each (length, image) is one run
+        distinct = np.mean([len(np.unique(groups[b])) for b in batches])
+        assert distinct < np.mean([len(np.unique(groups[b])) for b in plain]) - 2
         runs.append(batches)
     assert runs[0] != runs[1]
-    sampler.set_epoch(0)
-    assert list(sampler) == runs[0]
-    # Ungrouped, the same pool mixes images: most batches hold more than two.
-    plain = BucketBatchSampler(EpochShuffleSampler(len(groups), seed=0), 10, lengths=lengths,
-                               seed=0, bucket_size_multiplier=1000)
-    assert np.mean([len(np.unique(groups[b])) for b in plain]) > 4
+    grouped.set_epoch(0)
+    assert list(grouped) == runs[0]
 
 
 def test_grouped_batches_refuse_groups_of_another_size() -> None:

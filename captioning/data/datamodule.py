@@ -90,9 +90,9 @@ class CaptionDataModule(L.LightningDataModule):
     `skipped` ({"captions", "images", "image_files"}) and logged.
     `cache_verify`: how much of a feature cache is checked when opened (see `features`): every
     block's hash (`full`), each block on its first read (`lazy`), or sizes only (`size`).
-    `group_by_image` puts an image's captions side by side in the length-bucketed training
-    batches (as ruotianluo/ImageCaptioning.pytorch's seq_per_img does), so that on the CPU the
-    decoder projects each image's keys once for all its captions (see `BucketBatchSampler`).
+    `group_by_image` puts an image's captions of one length side by side in the length-bucketed
+    training batches, so that on the CPU the decoder projects the image's keys once for all of
+    them (see `BucketBatchSampler`); the batches stay as well bucketed.
     """
 
     def __init__(

@@ -45,11 +45,10 @@ class BucketBatchSampler(BatchSampler):
     argument is replaced by a `DistributedSampler`, giving each rank a disjoint shard (padded by
     repetition when the size does not divide, like any DistributedSampler).
 
-    With `groups` (an image index per item), a pool is sorted so that an image's captions sit
-    side by side: images by their longest caption, ties in a (seed, epoch) order, then each
-    image's captions longest first. A batch then holds whole images (but for the one cut at its
-    end), whose captions share one key projection in the decoder. Under DDP each rank groups
-    the captions of its own shard.
+    With `groups` (an image index per item), ties in length are broken by image (in a (seed,
+    epoch) order of the images), so that an image's captions of one length sit side by side
+    and fall in one batch, where they share one key projection in the decoder. The batches
+    are as well bucketed as without. Under DDP each rank groups the captions of its own shard.
     """
 
     def __init__(self, sampler: Sampler[int] | Sequence[int], batch_size: int,
@@ -68,8 +67,6 @@ class BucketBatchSampler(BatchSampler):
             if self.groups.shape != self.lengths.shape:
                 raise ValueError(f"groups has {len(self.groups)} entries for "
                                  f"{len(self.lengths)} lengths")
-            self.group_length = np.zeros(int(self.groups.max(initial=-1)) + 1, dtype=np.int64)
-            np.maximum.at(self.group_length, self.groups, self.lengths)  # longest caption
 
     @property
     def epoch(self) -> int:
@@ -92,14 +89,13 @@ class BucketBatchSampler(BatchSampler):
         batches: list[list[int]] = []
         if self.groups is not None:  # images in a (seed, epoch) order among equal lengths
             rank = np.random.default_rng([self.seed, self.epoch, 2]).permutation(
-                len(self.group_length))
+                int(self.groups.max(initial=-1)) + 1)
         for start in range(0, len(idx), pool):
             chunk = idx[start: start + pool]
             if self.groups is None:
                 chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
             else:
-                g = self.groups[chunk]
-                chunk = chunk[np.lexsort((-self.lengths[chunk], rank[g], -self.group_length[g]))]
+                chunk = chunk[np.lexsort((rank[self.groups[chunk]], -self.lengths[chunk]))]
             for s in range(0, len(chunk), b):
                 batch = chunk[s: s + b]
                 if len(batch) == b or not self.drop_last:
