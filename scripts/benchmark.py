@@ -13,10 +13,8 @@ of them):
 
 * training captions/s through the real `CaptionDataModule` + `CaptioningModule` + Lightning
   `Trainer`, with the encoder's features cached (the CNN never runs) or not (the frozen CNN
-  runs on every batch), soft and hard attention; cached soft also without length bucketing,
-  with an image's captions in one batch (`data.group_by_image`: the decoder projects the
-  image's keys once), and with the decoder's fast path (`fast_path: compile`, and `graphs`
-  on CUDA);
+  runs on every batch), soft and hard attention; cached soft also without length bucketing
+  and with the decoder's fast path (`fast_path: compile`, and `graphs` on CUDA);
 * beam-search captions/s on cached features (<end> disabled, so every caption runs
   `--max-len` steps: an untrained decoder would otherwise stop at once);
 * the COCO-size index build: a synthetic Karpathy file of 123,287 images / 616,767 captions
@@ -182,7 +180,6 @@ def build_run(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
         "pin_memory": spec["device"].startswith("cuda"),
         "persistent_workers": spec["num_workers"] > 0,
         "length_bucketing": spec.get("bucketing", True), "feature_cache": cached,
-        "group_by_image": spec.get("group_by_image", False),
         "cache_dir": spec["cache_dir"], "validate_images": False, "vocab_path": None,
         "cache_verify": spec.get("cache_verify", "full")}
     if karpathy:
@@ -673,7 +670,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # `net.grid_size: 14`), decoder 512/512/512, batch 32, 2 threads, 1,500 training images x
     # 5 captions; cached soft training with the roofline.
     "issue17": {"encoder": "resnet18", "image_size": 256, "grid_size": 14, "batch_size": 32,
-                "threads": 2, "num_train": 1500, "rows": "cached,grouped", "attentions": "soft",
+                "threads": 2, "num_train": 1500, "rows": "cached", "attentions": "soft",
                 "roofline": True},
 }
 ENCODERS = ("mobilenet_v2", "vgg19", "resnet18")
@@ -708,7 +705,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=20)
     p.add_argument("--rows", default="uncached,cached,channels_last,nobucket,compile,beam,coco",
                    help="comma-separated subset of: uncached,cached,channels_last,nobucket,"
-                        "grouped,compile,beam,coco")
+                        "compile,beam,coco")
     p.add_argument("--attentions", default="soft,hard",
                    help="attention kinds of the uncached and cached rows")
     p.add_argument("--threads", type=int, default=None,
@@ -807,8 +804,6 @@ def train_configs(args: argparse.Namespace, weights: str,
                         {"cached": False, "channels_last": True}))
     if "nobucket" in rows:
         configs.append(("train, cached, soft, no bucketing", {"bucketing": False}))
-    if "grouped" in rows:  # an image's captions in one batch: its keys projected once
-        configs.append(("train, cached, soft, grouped by image", {"group_by_image": True}))
     if "compile" in rows:  # the fixed-shape pass: compiled, and replayed as CUDA graphs
         configs.append(("train, cached, soft, fast_path compile",
                         {"fast_path": "compile", "warmup": max(args.warmup, 3)}))

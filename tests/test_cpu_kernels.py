@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from captioning.data.datamodule import CaptionDataModule
 from captioning.models.attention import AdditiveAttention, AdditiveScore, shared_rows
 from captioning.models.decoder import AttentionLSTMDecoder
 
@@ -55,15 +54,12 @@ def test_shared_rows_finds_equal_rows_and_only_those() -> None:
     twin[3, 5] += 1.0  # same sampled values (row 0 of the 80 values' every 5th) ...
     twin[4, 5] -= 1.0  # ... and the same sum, but not equal
     feats = torch.stack([images[0], images[1], images[0], twin, images[2], images[1]])
-    first, rows = shared_rows(feats)
+    first, rows = shared_rows(feats, most=1.0)
     assert first.tolist() == [0, 1, 3, 4] and rows.tolist() == [0, 1, 0, 2, 3, 1]
     assert torch.equal(feats[first][rows], feats)
     assert shared_rows(images) is None  # every row differs
-
-
-def test_group_by_image_needs_length_bucketing() -> None:
-    with pytest.raises(ValueError, match="group_by_image needs length_bucketing"):
-        CaptionDataModule(group_by_image=True, length_bucketing=False)
+    assert shared_rows(feats[:4], most=0.5) is None  # 3 distinct of 4: not worth sharing
+    assert shared_rows(feats[:4], most=0.75) is not None
 
 
 def test_fused_score_backs_up_twice_through_a_retained_graph() -> None:

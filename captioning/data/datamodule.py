@@ -90,9 +90,6 @@ class CaptionDataModule(L.LightningDataModule):
     `skipped` ({"captions", "images", "image_files"}) and logged.
     `cache_verify`: how much of a feature cache is checked when opened (see `features`): every
     block's hash (`full`), each block on its first read (`lazy`), or sizes only (`size`).
-    `group_by_image` puts an image's captions of one length side by side in the length-bucketed
-    training batches, so that on the CPU the decoder projects the image's keys once for all of
-    them (see `BucketBatchSampler`); the batches stay as well bucketed.
     """
 
     def __init__(
@@ -111,7 +108,6 @@ class CaptionDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         persistent_workers: bool = False,
         length_bucketing: bool = True,
-        group_by_image: bool = False,
         seed: int = 0,
         on_bad_data: Literal["fail", "skip"] = "fail",
         validate_images: bool = True,
@@ -141,9 +137,6 @@ class CaptionDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
         self.length_bucketing = length_bucketing
-        if group_by_image and not length_bucketing:
-            raise ValueError("group_by_image needs length_bucketing: true (its batch sampler)")
-        self.group_by_image = group_by_image
         self.seed = seed
         self.on_bad_data = on_bad_data
         self.validate_images = validate_images
@@ -419,10 +412,9 @@ class CaptionDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         ds = self.dataset_for("train")
         if self.length_bucketing:
-            groups = ds.pair_record if self.group_by_image else None
             sampler = BucketBatchSampler(EpochShuffleSampler(len(ds), seed=self.seed),
                                          self.batch_size, False, lengths=ds.lengths,
-                                         seed=self.seed, groups=groups)
+                                         seed=self.seed)
             # resumable: a mid-epoch checkpoint continues its epoch (see ResumableDataLoader)
             return ResumableDataLoader(ds, batch_sampler=sampler, **self._loader_kwargs())
         # not resumable within an epoch: Lightning warns and starts that epoch's data afresh

@@ -44,17 +44,11 @@ class BucketBatchSampler(BatchSampler):
     `set_epoch` on the inner sampler), so all ranks agree. Under Lightning DDP the `sampler`
     argument is replaced by a `DistributedSampler`, giving each rank a disjoint shard (padded by
     repetition when the size does not divide, like any DistributedSampler).
-
-    With `groups` (an image index per item), ties in length are broken by image (in a (seed,
-    epoch) order of the images), so that an image's captions of one length sit side by side
-    and fall in one batch, where they share one key projection in the decoder. The batches
-    are as well bucketed as without. Under DDP each rank groups the captions of its own shard.
     """
 
     def __init__(self, sampler: Sampler[int] | Sequence[int], batch_size: int,
                  drop_last: bool = False, *, lengths: Sequence[int] | np.ndarray,
-                 seed: int = 0, shuffle: bool = True, bucket_size_multiplier: int = 100,
-                 groups: Sequence[int] | np.ndarray | None = None) -> None:
+                 seed: int = 0, shuffle: bool = True, bucket_size_multiplier: int = 100) -> None:
         super().__init__(sampler, batch_size, drop_last)
         if bucket_size_multiplier < 1:
             raise ValueError("bucket_size_multiplier must be >= 1")
@@ -62,11 +56,6 @@ class BucketBatchSampler(BatchSampler):
         self.seed, self.shuffle, self._epoch = seed, shuffle, 0
         self.start = 0  # batches of the next pass to skip (resuming within an epoch)
         self.bucket_size_multiplier = bucket_size_multiplier
-        self.groups = None if groups is None else np.asarray(groups, dtype=np.int64)
-        if self.groups is not None:
-            if self.groups.shape != self.lengths.shape:
-                raise ValueError(f"groups has {len(self.groups)} entries for "
-                                 f"{len(self.lengths)} lengths")
 
     @property
     def epoch(self) -> int:
@@ -87,15 +76,9 @@ class BucketBatchSampler(BatchSampler):
         idx = np.fromiter(iter(self.sampler), dtype=np.int64)
         b, pool = self.batch_size, self.batch_size * self.bucket_size_multiplier
         batches: list[list[int]] = []
-        if self.groups is not None:  # images in a (seed, epoch) order among equal lengths
-            rank = np.random.default_rng([self.seed, self.epoch, 2]).permutation(
-                int(self.groups.max(initial=-1)) + 1)
         for start in range(0, len(idx), pool):
             chunk = idx[start: start + pool]
-            if self.groups is None:
-                chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
-            else:
-                chunk = chunk[np.lexsort((rank[self.groups[chunk]], -self.lengths[chunk]))]
+            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
             for s in range(0, len(chunk), b):
                 batch = chunk[s: s + b]
                 if len(batch) == b or not self.drop_last:

@@ -70,11 +70,15 @@ def caption_keys(keys: Tensor, b: int, rows: Tensor | None) -> Tensor:
     return keys[:b] if rows is None else keys[rows]
 
 
-def shared_rows(features: Tensor) -> tuple[Tensor, Tensor] | None:
+def shared_rows(features: Tensor, *, most: float = 0.5) -> tuple[Tensor, Tensor] | None:
     """Rows of `features` (B, L, D) that are equal, as the captions of one image are: `first`
     (N,), the first row of each distinct one, and `rows` (B,), each row's index into `first`;
-    None when every row differs. Rows are bucketed by 16 sampled values and their sum, then
-    compared exactly, so that rows are shared only when they are equal."""
+    None when more than `most` of the rows are distinct (N > most·B). Rows are bucketed by 16
+    sampled values and their sum, then compared exactly: only equal rows are shared.
+
+    Sharing saves the key projection of B − N rows but costs a gather and a scatter of the
+    (B, L, A) tensor each step: on the CPU at issue 17's setting (docs/benchmarks.md) that pays
+    only when most rows repeat, as in SCST's k samples per image."""
     B = features.size(0)
     flat = features.reshape(B, -1)
     probe = flat[:, :: max(1, flat.size(1) // 16)][:, :16]  # (B, 16), spread over each row
@@ -90,7 +94,7 @@ def shared_rows(features: Tensor) -> tuple[Tensor, Tensor] | None:
             buckets.setdefault(key, []).append(match)
             first.append(i)
         rows.append(match)
-    if len(first) == B:
+    if len(first) > most * B:
         return None
     return (torch.tensor(first, device=features.device),
             torch.tensor(rows, device=features.device))
