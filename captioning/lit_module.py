@@ -206,10 +206,7 @@ class CaptioningModule(L.LightningModule):
         enc = [p for p in self.captioner.encoder.parameters() if p.requires_grad]
         groups = [{"params": list(self.captioner.decoder.parameters()), "lr": hp.decoder_lr}]
         groups += [{"params": enc, "lr": hp.encoder_lr}] if enc else []
-        # Fused: a kernel per tensor, ~5x faster on the CPU; Lightning refuses it with gradient
-        # clipping under mixed precision.
-        fused = self._trainer is None or "mixed" not in str(self.trainer.precision)
-        opt = torch.optim.Adam(groups, weight_decay=hp.weight_decay, fused=fused)
+        opt = torch.optim.Adam(groups, weight_decay=hp.weight_decay)
         if hp.lr_schedule == "constant" and hp.warmup_steps <= 0:
             return opt
         total = max(1, int(self.trainer.estimated_stepping_batches))
