@@ -78,7 +78,7 @@ def shared_rows(features: Tensor, *, most: float = 0.5) -> tuple[Tensor, Tensor]
 
     Sharing saves the key projection of B − N rows but costs a gather and a scatter of the
     (B, L, A) tensor each step: on the CPU at issue 17's setting (docs/benchmarks.md) that pays
-    only when most rows repeat, as in SCST's k samples per image."""
+    only when most rows repeat, as in a batch of k captions per image."""
     B = features.size(0)
     flat = features.reshape(B, -1)
     probe = flat[:, :: max(1, flat.size(1) // 16)][:, :16]  # (B, 16), spread over each row

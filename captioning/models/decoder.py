@@ -299,8 +299,8 @@ class AttentionLSTMDecoder(nn.Module):
         B, T = captions.size(0), max(steps_cpu, default=0)
         L = features.size(1)
 
-        # Captions of one image (e.g. SCST's samples) project its keys once, when most rows
-        # repeat. CPU only: finding them reads the features back to the host.
+        # Captions of one image (a batch of k captions per image) project its keys once, when most
+        # rows repeat. CPU only: finding them reads the features back to the host.
         memory = self.memory(features, share=features.device.type == "cpu"
                              and not features.requires_grad)
         state = self.init_state(memory)
