@@ -51,8 +51,8 @@ def test_shared_rows_finds_equal_rows_and_only_those() -> None:
     g = torch.Generator().manual_seed(0)
     images = torch.randn(3, 10, 8, generator=g)
     twin = images[1].clone()
-    twin[3, 5] += 1.0  # same sampled values (row 0 of the 80 values' every 5th) ...
-    twin[4, 5] -= 1.0  # ... and the same sum, but not equal
+    twin[3, 5] += 1.0  # values 29 and 37 of the 80: not among the 16 sampled (every 5th), ...
+    twin[4, 5] -= 1.0  # ... and the sum moves back: the same fingerprint, but not equal
     feats = torch.stack([images[0], images[1], images[0], twin, images[2], images[1]])
     first, rows = shared_rows(feats, most=1.0)
     assert first.tolist() == [0, 1, 3, 4] and rows.tolist() == [0, 1, 0, 2, 3, 1]
