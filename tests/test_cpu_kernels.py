@@ -58,6 +58,7 @@ def test_shared_rows_finds_equal_rows_and_only_those() -> None:
     assert first.tolist() == [0, 1, 3, 4] and rows.tolist() == [0, 1, 0, 2, 3, 1]
     assert torch.equal(feats[first][rows], feats)
     assert shared_rows(images) is None  # every row differs
+    assert shared_rows(images[:0]) is None and shared_rows(images[:1]) is None
     assert shared_rows(feats[:4], most=0.5) is None  # 3 distinct of 4: not worth sharing
     assert shared_rows(feats[:4], most=0.75) is not None
 

@@ -80,6 +80,8 @@ def shared_rows(features: Tensor, *, most: float = 0.5) -> tuple[Tensor, Tensor]
     (B, L, A) tensor each step: on the CPU at issue 17's setting (docs/benchmarks.md) that pays
     only when most rows repeat, as in a batch of k captions per image."""
     B = features.size(0)
+    if B < 2:
+        return None
     flat = features.reshape(B, -1)
     probe = flat[:, :: max(1, flat.size(1) // 16)][:, :16]  # (B, 16), spread over each row
     prints = torch.cat([probe, flat.sum(1, keepdim=True)], 1).tolist()
