@@ -47,9 +47,9 @@ def key_layers(dim: int, n_layers: int) -> nn.Sequential:
 
 class Scorer(nn.Module):
     """f_att: `project` annotations (B, L, D) to keys (B, L, K) once per image, then
-    `forward(keys, h, rows)` gives the scores e_t (b, L) at every step, for h (b, H) and the
-    keys `keys[rows]` of those b captions, or the first b ≤ B rows when `rows` is None (the
-    teacher-forced pass drops captions as they end; captions of one image share a row)."""
+    `forward(keys, h)` gives the scores e_t (b, L) at every step, for h (b, H): the first
+    b ≤ B rows of the keys (the teacher-forced pass drops captions as they end, and slicing the
+    keys itself would cost a zero-filled (B, L, K) gradient each time)."""
 
     key: nn.Module
 
@@ -61,88 +61,42 @@ class Scorer(nn.Module):
         """Keys of every location: (B, L, D) -> (B, L, K). Computed once, reused each step."""
         return self.deep(self.key(features))
 
-    def forward(self, keys: Tensor, h: Tensor, rows: Tensor | None = None) -> Tensor:
+    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
         raise NotImplementedError
 
 
-def caption_keys(keys: Tensor, b: int, rows: Tensor | None) -> Tensor:
-    """The keys (b, L, K) of b captions: `keys[rows]`, or the first b rows when `rows` is None."""
-    return keys[:b] if rows is None else keys[rows]
-
-
-def shared_rows(features: Tensor, *, most: float = 0.5) -> tuple[Tensor, Tensor] | None:
-    """Rows of `features` (B, L, D) that are equal, as the captions of one image are: `first`
-    (N,), the first row of each distinct one, and `rows` (B,), each row's index into `first`;
-    None when more than `most` of the rows are distinct (N > most·B). Rows are bucketed by 16
-    sampled values and their sum, then compared exactly: only equal rows are shared.
-
-    Sharing saves the key projection of B − N rows but costs a gather and a scatter of the
-    (B, L, A) tensor each step: on the CPU at issue 17's setting (docs/benchmarks.md) that pays
-    only when most rows repeat, as in a batch of k captions per image."""
-    B = features.size(0)
-    if B < 2:
-        return None
-    flat = features.reshape(B, -1)
-    probe = flat[:, :: max(1, flat.size(1) // 16)][:, :16]  # (B, 16), spread over each row
-    prints = torch.cat([probe, flat.sum(1, keepdim=True)], 1).tolist()
-    buckets: dict[tuple[float, ...], list[int]] = {}  # fingerprint -> indices into `first`
-    first: list[int] = []
-    rows: list[int] = []
-    for i, key in enumerate(map(tuple, prints)):
-        match = next((j for j in buckets.get(key, []) if torch.equal(flat[first[j]], flat[i])),
-                     None)
-        if match is None:
-            match = len(first)
-            buckets.setdefault(key, []).append(match)
-            first.append(i)
-        rows.append(match)
-    if len(first) > most * B:
-        return None
-    return (torch.tensor(first, device=features.device),
-            torch.tensor(rows, device=features.device))
-
-
 class AdditiveScore(torch.autograd.Function):
-    """e = w^T tanh(k + q) (Eq. 4) with q (b, A), w (1, A) and k the keys (N, L, A) of the b
-    captions: row `rows[j]` for caption j, or the first b rows when `rows` is None. One
-    forward and one backward pass over the (b, L, A) tensor, in place.
+    """e = w^T tanh(k + q) (Eq. 4) for the first b rows of the keys (N, L, A), with q (b, A)
+    and w (1, A): one forward and one backward pass over the (b, L, A) tensor, in place.
 
     On the CPU this is the training step's largest cost, bound by memory traffic. So tanh is
     2σ(2x) − 1, about 3× faster there than `torch.tanh` (within 2e-7); the backward writes the
-    keys' gradient (1 − t²) g w straight into one (N, L, A) tensor (summed over the captions
-    of a row): no zero-filled slice gradient, no outer-product matmul. (Recomputing tanh in
-    the backward, over a few captions at a time kept in cache, measured slower.)"""
+    keys' gradient (1 − t²) g w straight into one (N, L, A) tensor: no zero-filled slice
+    gradient, no outer-product matmul. (docs/benchmarks.md has what was measured, and what
+    measured slower.)"""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, keys: Tensor, q: Tensor,  # type: ignore[override]
-                w: Tensor, rows: Tensor | None = None) -> Tensor:
-        b = q.size(0)
-        if rows is None:
-            k = keys[:b]  # (b, L, A)
-            t = torch.add(k, q.unsqueeze(1).expand_as(k))  # expand: a broadcast add is slower
-        else:
-            t = keys.index_select(0, rows)
-            t.add_(q.unsqueeze(1).expand_as(t))
+                w: Tensor) -> Tensor:
+        k = keys[: q.size(0)]  # (b, L, A)
+        t = torch.add(k, q.unsqueeze(1).expand_as(k))  # expand: a broadcast add is slower
         t.mul_(2).sigmoid_().mul_(2).sub_(1)  # t = tanh(k + q)
-        ctx.save_for_backward(t, w, rows)
-        ctx.rows = keys.size(0)  # type: ignore[attr-defined]
+        ctx.save_for_backward(t, w)
+        ctx.n_keys = keys.size(0)  # type: ignore[attr-defined]
         return torch.matmul(t, w[0])  # (b, L)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
-                 g: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
-        t, w, rows = ctx.saved_tensors  # type: ignore[attr-defined]
+                 g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        t, w = ctx.saved_tensors  # type: ignore[attr-defined]
         b, L, A = t.shape
         dw = (t.reshape(b * L, A).t() @ g.reshape(b * L)).unsqueeze(0)  # (1, A)
-        dkeys = t.new_empty(ctx.rows, L, A)  # type: ignore[attr-defined]
-        d = dkeys[:b] if rows is None else torch.empty_like(t)
+        dkeys = t.new_empty(ctx.n_keys, L, A)  # type: ignore[attr-defined]
+        d = dkeys[:b]
         torch.addcmul(t.new_ones(()), t, t, value=-1, out=d).mul_(g.unsqueeze(-1)).mul_(w[0])
-        if rows is None:
-            dkeys[b:].zero_()  # rows past the batch's running captions
-        else:
-            dkeys.zero_().index_add_(0, rows, d)  # each key row: the sum over its captions
-        return dkeys, d.sum(1), dw, None
+        dkeys[b:].zero_()  # rows past the batch's running captions
+        return dkeys, d.sum(1), dw
 
 
 class AdditiveAttention(Scorer):
@@ -157,12 +111,12 @@ class AdditiveAttention(Scorer):
         # bias here would be a parameter that never receives a gradient.
         self.score = nn.Linear(attn_dim, 1, bias=False)  # w
 
-    def forward(self, keys: Tensor, h: Tensor, rows: Tensor | None = None) -> Tensor:
+    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
         """Scores e_ti (b, L) from the previous hidden state h_{t-1} (b, H) and the keys."""
         q = self.query(h)  # (b, A)
         if keys.device.type == "cpu":  # one kernel chain instead of autograd's five (B, L, A) ops
-            return AdditiveScore.apply(keys, q, self.score.weight, rows)
-        k = caption_keys(keys, q.size(0), rows)
+            return AdditiveScore.apply(keys, q, self.score.weight)
+        k = keys[: q.size(0)]
         return self.score(torch.tanh(k + q.unsqueeze(1))).squeeze(-1)  # (b, L)
 
 
@@ -177,9 +131,9 @@ class DotAttention(Scorer):
         self.key = nn.Linear(feature_dim, attn_dim, bias=False)  # W_k, once per image
         self.query = nn.Linear(hidden_dim, attn_dim, bias=False)  # W_q
 
-    def forward(self, keys: Tensor, h: Tensor, rows: Tensor | None = None) -> Tensor:
+    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
         q = self.query(h).unsqueeze(2)  # (b, A, 1)
-        return torch.bmm(caption_keys(keys, q.size(0), rows), q).squeeze(2)  # (b, L)
+        return torch.bmm(keys[: q.size(0)], q).squeeze(2)  # (b, L)
 
 
 class ScaledDotAttention(DotAttention):
@@ -192,8 +146,8 @@ class ScaledDotAttention(DotAttention):
                          n_layers=n_layers)
         self.scale = 1.0 / math.sqrt(attn_dim)
 
-    def forward(self, keys: Tensor, h: Tensor, rows: Tensor | None = None) -> Tensor:
-        return super().forward(keys, h, rows) * self.scale  # (b, L)
+    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
+        return super().forward(keys, h) * self.scale  # (b, L)
 
 
 class GeneralAttention(Scorer):
@@ -205,9 +159,8 @@ class GeneralAttention(Scorer):
         super().__init__(key_dim=hidden_dim, n_layers=n_layers)  # attn_dim is not used
         self.key = nn.Linear(feature_dim, hidden_dim, bias=False)  # W
 
-    def forward(self, keys: Tensor, h: Tensor, rows: Tensor | None = None) -> Tensor:
-        k = caption_keys(keys, h.size(0), rows)
-        return torch.bmm(k, h.unsqueeze(2)).squeeze(2)  # (b, L)
+    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
+        return torch.bmm(keys[: h.size(0)], h.unsqueeze(2)).squeeze(2)  # (b, L)
 
 
 #: Scorers by their `net.score` config value.

@@ -43,7 +43,6 @@ from captioning.models.attention import (
     WeightRule,
     build_scorer,
     select,
-    shared_rows,
 )
 
 AttentionKind = Literal["soft", "hard"]
@@ -57,14 +56,7 @@ class Memory(NamedTuple):
     """What the decoder attends over; fixed for a caption, never reordered by beam search."""
 
     values: Tensor  # (B, L, D) annotation vectors a_i
-    keys: Tensor  # (N, L, K) the scorer's keys, e.g. W_a a_i: row i for caption i, or ...
-    rows: Tensor | None = None  # (B,) ... row rows[i], when captions of one image share it
-
-    def map(self, fn: Callable[[Tensor], Tensor]) -> Memory:
-        """`fn` applied along the batch of values and keys (one key row per caption)."""
-        if self.rows is not None:
-            raise ValueError("Memory.map needs one key row per caption (rows=None)")
-        return Memory(fn(self.values), fn(self.keys))
+    keys: Tensor  # (B', L, K) the scorer's keys, e.g. W_a a_i; the first B rows are used
 
 
 class DecoderState(NamedTuple):
@@ -165,14 +157,9 @@ class AttentionLSTMDecoder(nn.Module):
         self._fixed: Callable[..., tuple[Tensor, ...]] | None = None  # compiled unrolled pass
 
     # -- the step API -----------------------------------------------------------------------
-    def memory(self, features: Tensor, *, share: bool = False) -> Memory:
-        """Annotations (B, L, D) and the scorer's keys (B, L, K), computed once; with `share`,
-        one key row per distinct image (N, L, K) when some captions show the same one."""
-        shared = shared_rows(features) if share else None
-        if shared is None:
-            return Memory(features, self.attention.project(features))
-        first, rows = shared
-        return Memory(features, self.attention.project(features[first]), rows)
+    def memory(self, features: Tensor) -> Memory:
+        """Annotations (B, L, D) and the scorer's keys (B, L, K), computed once."""
+        return Memory(features, self.attention.project(features))
 
     def init_state(self, memory: Memory) -> DecoderState:
         """c_0 = f_init,c(mean a_i), h_0 = f_init,h(mean a_i) (§3.1.2)."""
@@ -239,7 +226,7 @@ class AttentionLSTMDecoder(nn.Module):
         use_expected: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Selection]:
         """One step from `word_gates` (b, 4H) and the state (b, H): h, c, ẑ_t and the selection."""
-        scores = self.attention(memory.keys, h, memory.rows)  # e_ti = f_att(a_i, h_{t-1}) (Eq. 4)
+        scores = self.attention(memory.keys, h)  # e_ti = f_att(a_i, h_{t-1}) (Eq. 4)
         sel = select(scores, rule, tau=self.tau)  # α_t (Eq. 5) and the weights
         weights = sel.weights
         if use_expected is not None:
@@ -299,10 +286,7 @@ class AttentionLSTMDecoder(nn.Module):
         B, T = captions.size(0), max(steps_cpu, default=0)
         L = features.size(1)
 
-        # Captions of one image (a batch of k captions per image) project its keys once, when most
-        # rows repeat. CPU only: finding them reads the features back to the host.
-        memory = self.memory(features, share=features.device.type == "cpu"
-                             and not features.requires_grad)
+        memory = self.memory(features)
         state = self.init_state(memory)
         h, c = state.h, state.c
         emb = self.embed(captions[:, :T])  # (B, T, E): inputs y_0 .. y_{T-1}
@@ -321,8 +305,7 @@ class AttentionLSTMDecoder(nn.Module):
                 h, c = h[:active], c[:active]
                 # The scorer reads the first `active` rows of the keys itself: a sliced keys
                 # tensor would cost a zero-filled (B, L, K) gradient per slice in backward.
-                rows = memory.rows[:active] if memory.rows is not None else None
-                mem_t = Memory(memory.values[:active], memory.keys, rows)
+                mem_t = Memory(memory.values[:active], memory.keys)
                 ue = use_expected[:active] if use_expected is not None else None
             h, c, z_hat, sel = self._advance(word_gates[t][:active], h, c, mem_t, rule,
                                              recurrent, ue)

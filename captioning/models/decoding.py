@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 import torch
@@ -159,7 +158,7 @@ def sample_search(
         memory = decoder.memory(features)  # once per image, then shared by its k rows
         state = decoder.init_state(memory)
         if num_samples > 1:
-            memory = memory.map(lambda m: m.repeat_interleave(num_samples, dim=0))
+            memory = type(memory)(*(m.repeat_interleave(num_samples, dim=0) for m in memory))
             state = type(state)(*(x.repeat_interleave(num_samples, dim=0) for x in state))
         gen = _sample_loop(decoder, memory, state, temperature=temperature, max_len=max_len,
                            ids=ids, forbid_unk=forbid_unk, generator=generator)
@@ -266,7 +265,7 @@ def beam_search(
     N, L = features.size(0), features.size(1)
     k, nb, device = beam_size, num_captions, features.device
     memory = decoder.memory(features)
-    memory = memory.map(lambda m: m.repeat_interleave(k, dim=0))  # (N·k, ...)
+    memory = type(memory)(*(m.repeat_interleave(k, dim=0) for m in memory))  # (N·k, ...)
     state = decoder.init_state(memory)
     alive = torch.arange(N, device=device)  # original index of each image still searching
 
@@ -352,7 +351,7 @@ def beam_search(
             keep_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)
             alive, beam_scores = alive[keep], beam_scores[keep]
             hist_tok, hist_alpha, hist_loc = hist_tok[keep], hist_alpha[keep], hist_loc[keep]
-            memory = memory.map(partial(torch.index_select, dim=0, index=keep_rows))
+            memory = type(memory)(*(m.index_select(0, keep_rows) for m in memory))
             state = type(state)(*(x.index_select(0, keep_rows) for x in state))
             tokens = tokens.index_select(0, keep_rows)
 
