@@ -2,14 +2,19 @@
 # The package as a user installs it: build the wheel, install it (not editable) with its
 # dependencies in a fresh virtual environment, and use it from a folder outside the checkout.
 #
-#   bash scripts/check_installed.sh [WORK_DIR]     (default: a new temporary folder)
+#   bash scripts/check_installed.sh [WORK_DIR]     (default: a temporary folder, removed at exit)
 #
 # Dependencies come from pip's cache of the wheels `make install` downloaded. The MobileNetV2
 # weights the demo config asks for are read from the checkout's $TORCH_HOME (the Makefile's
 # .cache/torch), as an offline user would point TORCH_HOME at their own copy.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
-WORK="${1:-$(mktemp -d /tmp/captioning-installed.XXXXXX)}"
+if [ -n "${1:-}" ]; then
+  WORK="$1"
+else  # our own temporary folder (a venv with torch, several GB): removed however we exit
+  WORK="$(mktemp -d /tmp/captioning-installed.XXXXXX)"
+  trap 'rm -rf "$WORK"' EXIT
+fi
 PYTHON="${PYTHON:-python3}"
 mkdir -p "$WORK"
 WORK="$(cd "$WORK" && pwd)"
