@@ -113,3 +113,24 @@ def test_decoder_loss_and_gradients_equal_the_reference(dims: tuple[int, int, in
     assert ga.keys() == gb.keys() and len(ga) == len(list(dec.parameters()))
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_step_by_step_decoding_equals_the_teacher_forced_pass() -> None:
+    """`step` (one word, the two recurrent weights apart) gives the teacher-forced pass's
+    log-probabilities and attention (one product with the weights joined), word by word."""
+    torch.manual_seed(0)
+    dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=24, embed_dim=16, hidden_dim=20,
+                               attn_dim=12, dropout=0.0).eval()
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(4, 49, 24, generator=g)
+    caps = torch.randint(4, 40, (4, 9), generator=g)
+    lengths = torch.full((4,), 9)
+    with torch.no_grad():
+        out = dec(feats, caps, lengths)
+        memory = dec.memory(feats)
+        state = dec.init_state(memory)
+        for t in range(8):
+            log_p, state, alpha = dec.step(caps[:, t], state, memory)
+            torch.testing.assert_close(log_p, F.log_softmax(out.logits[:, t], -1),
+                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(alpha, out.alphas[:, t], rtol=1e-5, atol=1e-6)

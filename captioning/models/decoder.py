@@ -175,7 +175,7 @@ class AttentionLSTMDecoder(nn.Module):
         """One word: tokens y_{t-1} (B,) -> log p(y_t) (B, V), new state, α_t (B, L)."""
         emb = self.embed(tokens)  # (B, E)
         h, c, z_hat, sel = self._advance(self._word_gates(emb), state.h, state.c, memory,
-                                         self.step_rule, self._recurrent_weight())
+                                         self.step_rule, None)
         logits = self._output(emb, h, z_hat)
         return F.log_softmax(logits.float(), dim=-1), DecoderState(h, c, sel.location), sel.alpha
 
@@ -222,10 +222,12 @@ class AttentionLSTMDecoder(nn.Module):
         c: Tensor,
         memory: Memory,
         rule: SelectRule,
-        recurrent: Tensor,
+        recurrent: Tensor | None,
         use_expected: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Selection]:
-        """One step from `word_gates` (b, 4H) and the state (b, H): h, c, ẑ_t and the selection."""
+        """One step from `word_gates` (b, 4H) and the state (b, H): h, c, ẑ_t and the selection.
+        `recurrent`: `_recurrent_weight()`, built once by a teacher-forced pass; None for one
+        word (decoding), which multiplies by the two weights apart instead of copying them."""
         scores = self.attention(memory.keys, h)  # e_ti = f_att(a_i, h_{t-1}) (Eq. 4)
         sel = select(scores, rule, tau=self.tau)  # α_t (Eq. 5) and the weights
         weights = sel.weights
@@ -240,7 +242,12 @@ class AttentionLSTMDecoder(nn.Module):
         beta = torch.sigmoid(self.gate(h))  # β_t = σ(f_β(h_{t-1})) (§4.2.1)
         z_hat = beta * z  # (B, D)
         # Eqs. 1-3, the LSTM (nn.LSTMCell's weights and gate order i, f, g, o)
-        gates = torch.addmm(word_gates, torch.cat([z_hat, h], dim=1), recurrent)  # (b, 4H)
+        if recurrent is None:
+            E = self.embed.embedding_dim
+            gates = torch.addmm(word_gates, z_hat, self.lstm.weight_ih[:, E:].t())
+            gates = torch.addmm(gates, h, self.lstm.weight_hh.t())  # (b, 4H)
+        else:
+            gates = torch.addmm(word_gates, torch.cat([z_hat, h], dim=1), recurrent)  # (b, 4H)
         i, f, g, o = gates.chunk(4, dim=1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
