@@ -432,17 +432,16 @@ def top_ops(events: Any, steps: int, n: int = 15) -> list[dict[str, Any]]:
     return rows
 
 
-def matmul_rate(n: int, repeats: int = 5, device: str = "cpu",
-                shape: tuple[int, int, int] | None = None) -> dict[str, float]:
-    """GFLOP/s of an fp32 (n, n) x (n, n) `torch.mm` (2 n^3 FLOPs), or of an (m, k) x (k, p)
-    one for `shape` (m, k, p): best and median of `repeats` after a warm-up."""
+def matmul_rate(m: int, k: int, p: int, *, repeats: int = 5,
+                device: str = "cpu") -> dict[str, float]:
+    """GFLOP/s of an fp32 (m, k) x (k, p) `torch.mm` (2 m k p FLOPs): best and median of
+    `repeats` after a warm-up."""
     import torch
 
-    m, k, p = shape or (n, n, n)
     a, b = torch.randn(m, k, device=device), torch.randn(k, p, device=device)
     c = torch.mm(a, b)
     times = []
-    for _ in range(repeats * (1 if shape is None else 20)):
+    for _ in range(repeats):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -451,22 +450,26 @@ def matmul_rate(n: int, repeats: int = 5, device: str = "cpu",
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     flop = 2 * m * k * p
-    return {"matmul_gflops": flop / min(times) / 1e9,
-            "matmul_gflops_median": flop / statistics.median(times) / 1e9, "matmul_size": n}
+    return {"best": flop / min(times) / 1e9, "median": flop / statistics.median(times) / 1e9}
 
 
 def worker_roofline(spec: dict[str, Any]) -> dict[str, Any]:
-    """The matmul rate, then the FLOPs of the timed steps of one cached training round."""
+    """The matmul rate (square, and at the decoder's per-word LSTM product), then the FLOPs of
+    the timed steps of one cached training round."""
     import torch
 
-    rate = matmul_rate(spec["matmul_size"], device=spec["device"])
-    # The decoder's own per-word product: the LSTM gates from [ẑ_t, h_{t-1}], batch rows.
-    dims = 32 if spec.get("tiny") else 512
-    step_shape = (spec["batch_size"], 2 * dims, 4 * dims)
-    step = matmul_rate(0, device=spec["device"], shape=step_shape)
+    n = spec["matmul_size"]
+    square = matmul_rate(n, n, n, device=spec["device"])
+    # The LSTM gates from [ẑ_t, h_{t-1}]: (batch, D + H) x (D + H, 4H), read off the model.
+    decoder = build_run(spec, cached=True)[0].captioner.decoder
+    lstm = decoder.lstm
+    step_shape = (spec["batch_size"], lstm.input_size - decoder.embed.embedding_dim
+                  + lstm.hidden_size, 4 * lstm.hidden_size)
+    step = matmul_rate(*step_shape, repeats=100, device=spec["device"])
     counted = worker_train({**spec, "count_flops": True})
-    return {**rate, "threads": torch.get_num_threads(), "step_shape": step_shape,
-            "step_matmul_gflops": step["matmul_gflops"],
+    return {"matmul_gflops": square["best"], "matmul_gflops_median": square["median"],
+            "matmul_size": n, "threads": torch.get_num_threads(), "step_shape": step_shape,
+            "step_matmul_gflops": step["best"],
             **{k: counted[k] for k in ("flops", "flop_pairs", "flop_words")}}
 
 

@@ -38,7 +38,8 @@ def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
     assert "| train, cached, soft" in out.stdout
     assert "roofline (CPU, 1 thread(s)): fp32 matmul 512x512:" in out.stdout
     assert "of the matmul rate" in out.stdout
-    assert "fp32 matmul at the decoder's per-word shape, the LSTM gates (4x64) x (64x128):" \
+    # batch 4; mobilenet_v2's 1280 channels + the tiny decoder's 32 units; 4 gates of 32
+    assert "fp32 matmul at the decoder's per-word shape, the LSTM gates (4x1312) x (1312x128):" \
         in out.stdout
     assert "top ops by self CPU time" in out.stdout
     data = json.loads((tmp_path / "bench.json").read_text())
