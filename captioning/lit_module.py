@@ -5,7 +5,6 @@ metrics and result files from `captioning.evaluation`, checkpoint extras from
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +23,7 @@ from captioning.models.decoder import resolve_fast_path
 from captioning.models.decoding import Generation
 from captioning.models.encoder import fingerprint
 from captioning.objectives import build_objective
+from captioning.optim import StepGuard, batch_message, build_adam
 from captioning.scst import ScstConfig
 from captioning.vocab import Vocabulary
 
@@ -33,7 +33,9 @@ class CaptioningModule(L.LightningModule):
 
     `advantage` names the hard-attention REINFORCE estimator (`captioning.objectives.ESTIMATORS`),
     `reward` its reward: `sum` over the caption's words (the paper) or `mean` (capgen.py).
-    `objective: scst`: SCST fine-tuning (`scst`), from `init_from`'s weights (the CLI loads them)."""
+    `objective: scst`: SCST fine-tuning (`scst`), from `init_from`'s weights (the CLI loads them).
+    `fused_adam`: Adam's fused kernel; None: on CUDA, unless 16-mixed precision scales the loss.
+    With it the non-finite check costs no host sync (`captioning.optim.StepGuard`)."""
 
     def __init__(
         self,
@@ -59,6 +61,7 @@ class CaptioningModule(L.LightningModule):
         results_dir: str | None = None,
         fast_path: Literal["auto", "off", "compile", "graphs"] = "auto",
         fast_bucket: int = 8,
+        fused_adam: bool | None = None,
     ) -> None:
         super().__init__()
         net = CaptionerConfig.from_dict(net) if isinstance(net, dict) else net  # ckpt hparams
@@ -78,6 +81,7 @@ class CaptioningModule(L.LightningModule):
         self.test_results = EvalResults()
         self._pending = EvalResults()
         self._cache_source: tuple[Any, str] | None = None  # (data module, encoder fingerprint)
+        self._guard = StepGuard()  # non-finite losses and gradients, one sync a step
 
     @property
     def net_config(self) -> CaptionerConfig:
@@ -107,6 +111,7 @@ class CaptioningModule(L.LightningModule):
         self._cache_source = (dm, key["weights"])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._guard.flush(self._param_names)  # never save weights after an unchecked step
         if self.vocab is not None:
             checkpoint[ckpt.CHECKPOINT_VOCAB_KEY] = self.vocab.to_dict()
         checkpoint[ckpt.CHECKPOINT_CONFIG_KEY] = self.net_config.to_dict()
@@ -167,61 +172,54 @@ class CaptioningModule(L.LightningModule):
         except RuntimeError as e:  # e.g. hard attention sampling from NaN attention weights
             if "nan" not in str(e).lower() and "inf" not in str(e).lower():
                 raise
-            raise FloatingPointError(self._non_finite("values in the forward pass", batch,
-                                                      batch_idx)) from e
+            raise FloatingPointError(batch_message("values in the forward pass", batch, batch_idx,
+                                                   step=self.global_step,
+                                                   epoch=self.current_epoch)) from e
         loss = parts["loss"]
-        if not torch.isfinite(loss):
-            raise FloatingPointError(self._non_finite(f"training loss {loss.item()}", batch,
-                                                      batch_idx))
+        self._guard.add_loss(loss, batch, batch_idx, step=self.global_step,  # checked before
+                             epoch=self.current_epoch)  # the optimiser step, one sync
         bs = batch.captions.size(0)
         self.log_dict({f"train/{k}": v.detach() for k, v in parts.items()}, batch_size=bs)
         self.log("train_loss", loss.detach(), batch_size=bs, prog_bar=True, logger=False)
         return loss
 
-    def _non_finite(self, what: str, batch: Any, batch_idx: int) -> str:
-        """The message for a non-finite loss: the step, and the images whose inputs are bad."""
-        msg = (f"non-finite {what} at global step {self.global_step} (epoch {self.current_epoch}, "
-               f"batch {batch_idx}); stopping before the weights are updated")
-        images = getattr(batch, "images", None)
-        if isinstance(images, Tensor) and images.is_floating_point():
-            bad = (~torch.isfinite(images.flatten(1))).any(1).nonzero().flatten().tolist()
-            ids = getattr(batch, "image_ids", None) or range(len(images))
-            msg += f"; non-finite inputs for image(s) {[ids[i] for i in bad[:5]]}" if bad else ""
-        return msg
-
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
-            if not torch.isfinite(norm):
-                first = next((n for n, p in self.named_parameters() if p.grad is not None
-                              and not bool(torch.isfinite(p.grad).all())), "?")
-                raise FloatingPointError(
-                    f"non-finite gradient norm at global step {self.global_step} (first in "
-                    f"{first}); stopping before the optimiser corrupts the weights")
+        self._guard.check(optimizer, names=self._param_names, step=self.global_step)
+
+    def on_train_epoch_end(self) -> None:  # a deferred check's last step (fused Adam)
+        self._guard.flush(self._param_names)
+
+    def on_validation_start(self) -> None:
+        self._guard.flush(self._param_names)
+
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.named_parameters()}
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
+                                    gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clipping by norm reuses the norm the step's check computed."""
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            self._guard.clip_by_norm([p for g in optimizer.param_groups for p in g["params"]],
+                                     gradient_clip_val)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val,
+                                                gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         enc = [p for p in self.captioner.encoder.parameters() if p.requires_grad]
         groups = [{"params": list(self.captioner.decoder.parameters()), "lr": hp.decoder_lr}]
         groups += [{"params": enc, "lr": hp.encoder_lr}] if enc else []
-        opt = torch.optim.Adam(groups, weight_decay=hp.weight_decay)
-        if hp.lr_schedule == "constant" and hp.warmup_steps <= 0:
-            return opt
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warm = max(0, hp.warmup_steps)
-
-        def factor(step: int) -> float:
-            if step < warm:
-                return (step + 1) / warm
-            if hp.lr_schedule == "constant":
-                return 1.0
-            progress = min(1.0, (step - warm) / max(1, total - warm))
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        fused = hp.fused_adam
+        if fused is None:  # on CUDA, unless a GradScaler (16-mixed) unscales before the step
+            fused = self.device.type == "cuda" and getattr(
+                self.trainer.precision_plugin, "scaler", None) is None
+        scheduled = hp.lr_schedule != "constant" or hp.warmup_steps > 0
+        return build_adam(groups, weight_decay=hp.weight_decay, fused=fused,
+                          schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
+                          total_steps=int(self.trainer.estimated_stepping_batches)
+                          if scheduled else 0)
 
     # -- evaluation --------------------------------------------------------------------------
     def generate(self, images: Tensor) -> Generation:

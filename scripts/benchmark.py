@@ -65,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,7 @@ def build_run(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
     model = {"compute_metrics": False, "fast_path": spec.get("fast_path", "off"),
              "decode.beam_size": spec.get("beam_size", 3),
              "decode.max_len": spec.get("max_len", 20),
-             **{f"net.{k}": v for k, v in net.items()}}
+             **{f"net.{k}": v for k, v in net.items()}, **spec.get("model", {})}
     for group, values in (("model", model), ("data", data)):
         for k, v in values.items():
             args += [f"--{group}.{k}", "null" if v is None else str(v)]
@@ -243,6 +244,7 @@ def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
     out = {"steps": timer.steps, "waits": timer.waits, "sizes": timer.sizes,
            "rows": timer.rows, "real": timer.real, "peak_mb": _peak_memory_mb(device),
            "notes": "; ".join(notes), "vocab": dm.vocab_size, "gpu_util": timer.utilisation,
+           "periods": timer.periods,
            "world_size": trainer.world_size}
     for probe in probes:
         out.update(probe.result())
@@ -252,11 +254,20 @@ def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
 def _step_timer(spec: dict[str, Any]) -> Any:
     """A callback timing each step after `spec["warmup"]` (batch start to end: forward,
     backward, optimiser) and the wait before it; with `sample_gpu`, also sampling the GPU's
-    utilisation over the timed steps."""
+    utilisation over the timed steps.
+
+    On the CPU each step is timed alone. On CUDA the host runs ahead of the GPU, as training
+    does; a sync around each step would stop it preparing the next step while the GPU works.
+    There a CUDA event is recorded at each step's start, without a sync, and a step's time
+    (`periods`) is the GPU-timeline span from its start event to the next: the rate at which
+    steps go through, whether the host or the GPU bounds it. `waits` stay host times (the
+    loader's), an upper bound on the GPU's wait for data. `sync_steps` syncs around every
+    step instead (the older measure)."""
     import lightning.pytorch as L
     import torch
 
     cuda = spec["device"].startswith("cuda")
+    each = not cuda or spec.get("sync_steps", False)  # sync (on CUDA) around every step
 
     class StepTimer(L.Callback):
         def __init__(self) -> None:
@@ -267,9 +278,12 @@ def _step_timer(spec: dict[str, Any]) -> Any:
             self.rows = self.real = 0
             self.sampler = GpuUtilisation() if cuda and spec.get("sample_gpu") else None
             self.utilisation: float | None = None
+            self.words: list[Any] = []  # each timed batch's words per caption
+            self.events: list[Any] = []
+            self.periods: list[float] | None = None
 
         def _now(self) -> float:
-            if cuda:
+            if cuda and each:
                 torch.cuda.synchronize()
             return time.perf_counter()
 
@@ -278,6 +292,9 @@ def _step_timer(spec: dict[str, Any]) -> Any:
             self.t_start = self._now()
             if self.i >= spec["warmup"]:
                 self.waits.append(self.t_start - self.last_end)
+                if not each:
+                    self.events.append(torch.cuda.Event(enable_timing=True))
+                    self.events[-1].record()
             if self.i == spec["warmup"] and cuda:
                 torch.cuda.reset_peak_memory_stats()
                 if self.sampler:
@@ -290,15 +307,22 @@ def _step_timer(spec: dict[str, Any]) -> Any:
                 self.first_steps += self.last_end - self.t_start
             else:
                 self.steps.append(self.last_end - self.t_start)
-                steps = (batch.lengths - 1).clamp_min(0)
-                self.rows += int(steps.max()) * len(steps)
-                self.real += int(steps.sum())
-                self.sizes.append(len(steps))
+                self.words.append((batch.lengths - 1).clamp_min(0))  # read at the end: no sync
+                self.sizes.append(len(batch.lengths))
+            if not each and self.i == spec["warmup"] + spec["steps"] - 1:
+                self.events.append(torch.cuda.Event(enable_timing=True))
+                self.events[-1].record()
+                self.events[-1].synchronize()
+                self.periods = [a.elapsed_time(b) / 1e3
+                                for a, b in zip(self.events, self.events[1:])]
             self.i += 1
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             if self.sampler:
                 self.utilisation = self.sampler.stop()
+            for words in self.words:  # padded (B, T) step-rows and the real ones
+                self.rows += int(words.max()) * len(words)
+                self.real += int(words.sum())
 
     return StepTimer()
 
@@ -480,25 +504,29 @@ def worker_profile(spec: dict[str, Any]) -> dict[str, Any]:
 
 def summarize_train(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Pool the timed steps of every round: medians (robust to other processes on a shared
-    machine) and means."""
-    steps = [x for r in rounds for x in r["steps"]]
+    machine) and means. A step's time is its host time plus the wait before it, or its
+    GPU-timeline period where the round has `periods` (CUDA without per-step syncs)."""
+    def totals(r: dict[str, Any]) -> list[float]:
+        return r.get("periods") or [a + b for a, b in zip(r["steps"], r["waits"])]
+
+    total = [x for r in rounds for x in totals(r)]
     waits = [x for r in rounds for x in r["waits"]]
     sizes = [x for r in rounds for x in r["sizes"]]
-    total = [a + b for a, b in zip(steps, waits)]
+    steps = [t - w for t, w in zip(total, waits)]
     return {"captions_per_s": statistics.median(n / t for n, t in zip(sizes, total)),
             "step_ms": 1e3 * statistics.median(steps),
             "wait": statistics.median(waits) / statistics.median(total),
             "mean_captions_per_s": sum(sizes) / sum(total), "mean_wait": sum(waits) / sum(total),
             "padding": 1 - sum(r["real"] for r in rounds) / max(1, sum(r["rows"] for r in rounds)),
             "peak_mb": max(r["peak_mb"] for r in rounds), "timed_steps": len(steps),
-            "per_round_captions_per_s": [sum(r["sizes"]) / (sum(r["steps"]) + sum(r["waits"]))
-                                         for r in rounds],
+            "per_round_captions_per_s": [sum(r["sizes"]) / sum(totals(r)) for r in rounds],
             "notes": rounds[0]["notes"]}
 
 
 def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
     """Beam search on the cached val features (repeated up to `beam_images`), every caption
-    `max_len` steps."""
+    `max_len` steps, at `beam_size` and `batch_size`; with `settings` ([[beam, batch], ...])
+    at each of those in turn, in this one process: `{"rows": [result, ...]}`."""
     import lightning.pytorch as L
     import torch
 
@@ -516,11 +544,10 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
     ds = dm.dataset_for("val")
     n = spec["beam_images"]
     feats = torch.stack([ds[i % len(ds)][0] for i in range(n)]).to(device)
-    b = spec["batch_size"]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=spec["precision"] == "bf16-mixed")
 
-    def run() -> float:
+    def run(b: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -530,15 +557,21 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    with torch.inference_mode(), autocast:
-        module.generate(feats[:b])  # warm-up
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        dt = statistics.median(run() for _ in range(3))
-    return {"captions_per_s": len(feats) / dt, "step_ms": 1e3 * dt / -(-len(feats) // b),
-            "peak_mb": _peak_memory_mb(spec["device"]),
-            "notes": f"beam {spec['beam_size']}, {spec['max_len']} steps, batch {b}, "
-                     f"{len(feats)} images"}
+    def measure(beam: int, b: int) -> dict[str, Any]:
+        module.decode = replace(module.decode, beam_size=beam)
+        with torch.inference_mode(), autocast:
+            module.generate(feats[:b])  # warm-up
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            dt = statistics.median(run(b) for _ in range(3))
+        return {"captions_per_s": len(feats) / dt, "step_ms": 1e3 * dt / -(-len(feats) // b),
+                "peak_mb": _peak_memory_mb(spec["device"]),
+                "notes": f"beam {beam}, {spec['max_len']} steps, batch {b}, "
+                         f"{len(feats)} images"}
+
+    if "settings" in spec:
+        return {"rows": [measure(beam, b) for beam, b in spec["settings"]]}
+    return measure(spec["beam_size"], spec["batch_size"])
 
 
 def worker_coco_index(spec: dict[str, Any]) -> dict[str, Any]:

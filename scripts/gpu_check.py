@@ -73,8 +73,10 @@ class Check:
     threads: int | None
     coco_images: int
     fast_only: bool = False  # train stage: eager at bf16 and the base batch, then the fast path
+    rounds: int = 1  # of the headline pair: eager and fast path, bf16 at the base batch
     rows: list[dict[str, Any]] = field(default_factory=list)
     single: dict[tuple[str, int], float] = field(default_factory=dict)  # one device's pairs/s
+    seconds: dict[str, float] = field(default_factory=dict)  # each stage's wall time
     failed: bool = False
 
     @property
@@ -106,35 +108,52 @@ class Check:
 # Stages
 
 
-def train_row(check: Check, stage: str, config: str, res: dict[str, Any], *,
-              notes: str = "", world: int = 1) -> float:
-    """Add a training row from a worker's result; returns its (global) pairs/s."""
-    s = benchmark.summarize_train([res])
+def train_row(check: Check, stage: str, config: str, res: dict[str, Any] | list[dict[str, Any]],
+              *, notes: str = "", world: int = 1) -> float:
+    """Add a training row from a worker's result (or several rounds' results, pooled);
+    returns its (global) pairs/s."""
+    rounds = res if isinstance(res, list) else [res]
+    s = benchmark.summarize_train(rounds)
     rate = s["captions_per_s"] * world
-    util = res.get("gpu_util")
+    util = rounds[0].get("gpu_util")
+    if len(rounds) > 1:
+        per = ", ".join(f"{x * world:.0f}" for x in s["per_round_captions_per_s"])
+        notes = "; ".join(x for x in (notes, f"{len(rounds)} rounds (means {per})") if x)
     check.add(stage, config, f"{rate:.1f} pairs/s", step_ms=f"{s['step_ms']:.0f}",
               wait=f"{100 * s['wait']:.1f}%", peak=f"{s['peak_mb']:.0f}",
               util="" if util is None else f"{util:.0f}%",
-              notes="; ".join(x for x in (notes, res.get("notes", "")) if x))
+              notes="; ".join(x for x in (notes, rounds[0].get("notes", "")) if x))
     return rate
 
 
 def stage_train(check: Check) -> None:
     """Eager rows (`fast_path: off`) at both precisions and batches, then the fast path's rows
-    (`graphs`; `compile` on the CPU) beside them, with their speed-up over eager."""
-    for precision in ("bf16-mixed", "32-true"):
-        for batch in ((4, 8) if check.cpu else (64, 128)):
-            if check.fast_only and (precision, batch) != ("bf16-mixed", check.base["batch_size"]):
-                continue
-            res = check.run(check.train_spec(precision, batch, fast_path="off"))
-            rate = train_row(check, "train", f"cached, {precision}, batch {batch}", res)
-            check.single[(precision, batch)] = rate
+    (`graphs`; `compile` on the CPU) beside them, with their speed-up over eager. The
+    headline pair, bf16-mixed at the base batch, runs `check.rounds` times, eager and fast
+    path alternating, each round a fresh process: its rows pool every round's steps."""
     mode = "compile" if check.cpu else "graphs"
+    head = ("32-true", 4) if check.cpu else ("bf16-mixed", check.base["batch_size"])
     fast_rows = [("32-true", 4)] if check.cpu else [("bf16-mixed", 64), ("bf16-mixed", 128),
                                                     ("32-true", 64)]
+
+    def fast_spec(precision: str, batch: int) -> dict[str, Any]:
+        return check.train_spec(precision, batch, fast_path=mode,
+                                warmup=max(check.base["warmup"], 4))
+
+    pair: dict[str, list[dict[str, Any]]] = {"off": [], mode: []}
+    for _ in range(check.rounds):
+        pair["off"].append(check.run(check.train_spec(*head, fast_path="off")))
+        pair[mode].append(check.run(fast_spec(*head)))
+    for precision in ("bf16-mixed", "32-true"):
+        for batch in ((4, 8) if check.cpu else (64, 128)):
+            if check.fast_only and (precision, batch) != head:
+                continue
+            res = pair["off"] if (precision, batch) == head else \
+                check.run(check.train_spec(precision, batch, fast_path="off"))
+            rate = train_row(check, "train", f"cached, {precision}, batch {batch}", res)
+            check.single[(precision, batch)] = rate
     for precision, batch in fast_rows:
-        res = check.run(check.train_spec(precision, batch, fast_path=mode,
-                                         warmup=max(check.base["warmup"], 4)))
+        res = pair[mode] if (precision, batch) == head else check.run(fast_spec(precision, batch))
         rate = train_row(check, "train", f"cached, {precision}, batch {batch}, fast_path {mode}",
                          res)
         eager = check.single.get((precision, batch))
@@ -154,8 +173,9 @@ def stage_uncached(check: Check) -> None:
                                      f"{size} JPEGs; the CNN runs on every batch")
 
 
-def stage_coco(check: Check) -> None:
-    spec, notes = synthesize_coco_cache(check)
+def stage_coco(check: Check, prepared: tuple[dict[str, Any], str] | None = None) -> None:
+    """The COCO-size row; `prepared`: the cache already synthesised (`synthesize_coco_cache`)."""
+    spec, notes = prepared or synthesize_coco_cache(check)
     cache_dir = Path(spec["cache_dir"])
     before = len(list(cache_dir.glob("*.npy")))
     res = check.run(spec)
@@ -167,16 +187,17 @@ def stage_coco(check: Check) -> None:
 
 
 def stage_beam(check: Check) -> None:
+    """Every beam size and batch in one worker process (one model, one cache)."""
     images = 20 if check.cpu else 1000
-    for beam in (3, 5):
-        for batch in ((5, 10) if check.cpu else (100, 500)):
-            spec = {**check.base, "kind": "beam", "attention": "soft", "num_workers": 0,
-                    "precision": "bf16-mixed", "beam_size": beam, "max_len": 20,
-                    "beam_images": images, "batch_size": batch}
-            res = check.run(spec)
-            check.add("beam search", f"beam {beam}, {batch} images per batch",
-                      f"{res['captions_per_s']:.1f} captions/s", step_ms=f"{res['step_ms']:.0f}",
-                      peak=f"{res['peak_mb']:.0f}", notes=res["notes"])
+    settings = [[beam, batch] for beam in (3, 5) for batch in ((5, 10) if check.cpu else
+                                                               (100, 500))]
+    spec = {**check.base, "kind": "beam", "attention": "soft", "num_workers": 0,
+            "precision": "bf16-mixed", "beam_size": 3, "max_len": 20, "beam_images": images,
+            "batch_size": settings[0][1], "settings": settings}
+    for (beam, batch), res in zip(settings, check.run(spec)["rows"]):
+        check.add("beam search", f"beam {beam}, {batch} images per batch",
+                  f"{res['captions_per_s']:.1f} captions/s", step_ms=f"{res['step_ms']:.0f}",
+                  peak=f"{res['peak_mb']:.0f}", notes=res["notes"])
 
 
 def stage_overlay(check: Check) -> None:
@@ -335,9 +356,16 @@ def _drop_from_page_cache(path: Path) -> None:
 # GPU tests
 
 
+def gpu_test_files() -> list[str]:
+    """The test modules that hold GPU tests: pytest collects only these, so a module that
+    needs what a bare GPU machine lacks (pycocoevalcap, say) cannot stop the GPU tests."""
+    return [str(p) for p in sorted((ROOT / "tests").glob("test_*.py"))
+            if "mark.gpu" in p.read_text()]
+
+
 def start_gpu_tests() -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
-                             "-p", "no:cacheprovider", str(ROOT / "tests")], cwd=ROOT,
+                             "-p", "no:cacheprovider", *gpu_test_files()], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -371,34 +399,50 @@ def prepare(args: argparse.Namespace, work: Path) -> Check:
                                    num_train=640, num_val=64, image_size=224,
                                    steps=args.steps, warmup=args.warmup, threads=args.threads)
     return Check(cpu=args.cpu, work=work, base=base, threads=base["threads"],
-                 fast_only=args.fast_only,
+                 fast_only=args.fast_only, rounds=args.rounds or (1 if args.cpu else 2),
                  coco_images=args.coco_images or (256 if args.cpu else COCO_TRAIN_IMAGES))
 
 
-def run_stage(check: Check, name: str, fn: Callable[[], None]) -> None:
-    """Run a stage; a failure becomes its row (and exit status 1), and the next stage runs."""
+def run_stage(check: Check, name: str, fn: Callable[[], None]) -> bool:
+    """Run a stage; a failure becomes its row (and exit status 1), and the next stage runs.
+    Returns whether it ran through."""
     log.info("stage: %s", name)
     t0 = time.perf_counter()
     try:
         fn()
-        log.info("stage %s: %.0f s", name, time.perf_counter() - t0)
+        return True
     except Exception as e:  # one broken stage must not hide the others' figures
         log.exception("stage %s failed", name)
         check.failed = True
         check.add(name, "", "FAILED", notes=f"{type(e).__name__}: {str(e)[:200]}")
+        return False
+    finally:
+        check.seconds[name] = time.perf_counter() - t0
+        log.info("stage %s: %.0f s", name, check.seconds[name])
 
 
 def run_checks(args: argparse.Namespace, check: Check) -> None:
-    """Every stage asked for. On a GPU one after another, the GPU tests first; with --cpu the
-    tests and the DDP run go on in subprocesses while the others run here."""
+    """Every stage asked for, the timed ones one after another. On a GPU the tests run first,
+    while the COCO-size cache is written (neither is timed); with --cpu the tests and the DDP
+    run go on in subprocesses while the other stages run here."""
     stages = args.stages.split(",")
     tests = start_gpu_tests() if "tests" in stages else None
+    prepared: dict[str, Any] = {}
+    steps: dict[str, Callable[[Check], None]] = {
+        "train": stage_train, "coco": stage_coco, "uncached": stage_uncached,
+        "beam": stage_beam, "overlay": stage_overlay}
+    if "coco" in stages and not check.cpu:
+        if run_stage(check, "coco cache", lambda: prepared.update(
+                coco=synthesize_coco_cache(check))):
+            steps["coco"] = lambda c: stage_coco(c, prepared["coco"])
+        else:
+            stages.remove("coco")
     if tests is not None and not check.cpu:
+        t0 = time.perf_counter()
         finish_gpu_tests(check, tests)
+        check.seconds["tests"] = time.perf_counter() - t0  # after the cache: the rest of them
     spec = ddp_spec(check) if "ddp" in stages else None
     ddp = benchmark.start_worker(spec, check.threads) if spec and check.cpu else None
-    steps = {"train": stage_train, "coco": stage_coco, "uncached": stage_uncached,
-             "beam": stage_beam, "overlay": stage_overlay}
     for name in STAGES:
         if name in steps and name in stages:
             run_stage(check, name, lambda f=steps[name]: f(check))
@@ -428,6 +472,7 @@ def print_table(check: Check) -> None:
     print("|" + "|".join("-" * (width[k] + 2) for _, k in cols) + "|")
     for r in check.rows:
         print("| " + " | ".join(str(r.get(k, "")).ljust(width[k]) for _, k in cols) + " |")
+    print("seconds per stage: " + ", ".join(f"{k} {v:.0f}" for k, v in check.seconds.items()))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -438,6 +483,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated subset of: {','.join(STAGES)}")
     p.add_argument("--steps", type=int, default=40, help="timed steps per training row")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of the headline pair, eager and fast path alternating at "
+                        "bf16-mixed and the base batch (default 2; 1 with --cpu)")
     p.add_argument("--coco-images", type=int, default=None,
                    help=f"grids of the COCO-size cache (default {COCO_TRAIN_IMAGES:,}; 256 "
                         "with --cpu), fewer when the disk is short")
@@ -469,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         run_checks(args, check)
     print_table(check)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": check.cpu, "rows": check.rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"cpu": check.cpu, "rows": check.rows,
+                                               "seconds": check.seconds}, indent=2))
     return 1 if check.failed else 0
 
 

@@ -76,3 +76,22 @@ def test_against_a_revision_adds_its_row(tmp_path: Path) -> None:
         assert f"cached soft training, this code / the code at {rev}:" in out.stdout
     exported = list((tmp_path / "work").glob("rev-*/captioning/models/decoder.py"))
     assert len(exported) == 2
+
+
+def test_summary_of_gpu_timeline_periods_and_of_host_steps() -> None:
+    """A CUDA round's steps are its GPU-timeline periods (no per-step sync); a CPU round's
+    are host step plus wait. A compiling step's outlier moves the mean, not the median."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchmark
+
+    base = {"real": 0, "rows": 0, "peak_mb": 0.0, "notes": ""}
+    gpu = {**base, "steps": [0.001] * 4, "waits": [0.001] * 4, "sizes": [64] * 4,
+           "periods": [0.010, 0.010, 0.010, 1.0]}
+    s = benchmark.summarize_train([gpu])
+    assert s["captions_per_s"] == 6400.0 and abs(s["step_ms"] - 9.0) < 1e-9
+    assert abs(s["wait"] - 0.1) < 1e-12
+    assert abs(s["mean_captions_per_s"] - 256 / 1.03) < 1e-9
+    cpu = {**base, "steps": [0.3, 0.3, 0.5], "waits": [0.1, 0.1, 0.1], "sizes": [32] * 3}
+    s = benchmark.summarize_train([cpu])
+    assert s["captions_per_s"] == 80.0 and abs(s["step_ms"] - 300.0) < 1e-9
+    assert abs(s["wait"] - 0.25) < 1e-12

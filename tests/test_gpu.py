@@ -24,6 +24,7 @@ from captioning.lit_module import CaptioningModule
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.decoding import SpecialIds
 from captioning.models.encoder import CNNEncoder
+from captioning.optim import StepGuard
 from captioning.viz import render_strips
 
 pytestmark = [pytest.mark.gpu,
@@ -191,6 +192,45 @@ def check_fast_path_bf16(device: str, mode: str) -> None:
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
 
 
+def check_guard_needs_no_sync(device: str) -> None:
+    """Fused Adam's step guard (`StepGuard`): a clean step's check, clipping and update run
+    without a host sync (sync debug mode "error" would raise); an inf loss's update is
+    skipped on the device and the error comes at the next check, the weights and the
+    optimiser state untouched."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    guard, x = StepGuard(), torch.randn(16, 8, device=device)
+
+    def names() -> dict[int, str]:
+        return {id(p): n for n, p in model.named_parameters()}
+
+    def step(k: int, scale: float, *, strict: bool = True) -> None:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean() * scale
+        loss.backward()
+        guard.add_loss(loss, None, 0, step=k, epoch=0)
+        torch.cuda.set_sync_debug_mode("error" if strict else 0)
+        try:
+            guard.check(opt, names=names, step=k)
+            guard.clip_by_norm(list(model.parameters()), 0.5)
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    step(0, 1.0, strict=False)  # the optimiser's state is made on the first step
+    step(1, 1.0)
+    before = ({k: v.clone() for k, v in model.state_dict().items()},
+              {k: v.clone() for k, v in opt.state[model.weight].items()})
+    step(2, math.inf)  # no error yet: the flag is on its way
+    with pytest.raises(FloatingPointError, match="training loss inf at global step 2"):
+        step(3, 1.0, strict=False)
+    for k, v in before[0].items():
+        assert torch.equal(model.state_dict()[k], v), k
+    for k, v in before[1].items():
+        assert torch.equal(opt.state[model.weight][k], v), k
+
+
 @pytest.fixture
 def images(shapes_root: Path, tmp_path: Path) -> list[Path]:
     out = []
@@ -227,3 +267,7 @@ def test_overlays_render_on_the_device(exact_fp32: None) -> None:
 def test_feature_cache_builds_on_the_device(images: list[Path], tmp_path: Path,
                                             exact_fp32: None) -> None:
     check_cache_builds_on("cuda", images, tmp_path)
+
+
+def test_step_guard_with_fused_adam_needs_no_sync() -> None:
+    check_guard_needs_no_sync("cuda")

@@ -24,7 +24,7 @@ def test_make_gpu_check_runs_the_script() -> None:
 def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "scripts/gpu_check.py", "--cpu", "--workdir", str(tmp_path / "work"),
-         "--json", str(tmp_path / "check.json")],
+         "--json", str(tmp_path / "check.json"), "--rounds", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     table = [ln for ln in out.stdout.splitlines() if ln.startswith("| ")]
@@ -40,6 +40,12 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     assert len(by_stage["train"]) == 5
     fast = by_stage["train"][-1]
     assert fast["config"].endswith("fast_path compile") and "x eager" in fast["notes"]
+    (eager,) = [r for r in by_stage["train"] if r["config"] == "cached, 32-true, batch 4"]
+    for row in (eager, fast):  # the headline pair on the CPU: two rounds each, pooled
+        assert "2 rounds (means " in row["notes"], row
+    seconds = json.loads((tmp_path / "check.json").read_text())["seconds"]
+    assert {"train", "beam", "coco", "overlay"} <= seconds.keys()
+    assert "seconds per stage: " in out.stdout
     assert len(by_stage["beam search"]) == 4  # beam 3 and 5, two batch sizes
     assert by_stage["gpu tests"][0]["result"].endswith(" 0 failed")
     assert "of 256 grids" in by_stage["train COCO-size"][0]["notes"]  # says how many
@@ -49,3 +55,15 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     for r in rows:
         if r["stage"] != "gpu tests":
             assert float(r["result"].split()[0]) > 0, r
+
+
+def test_the_gpu_tests_are_collected_from_their_own_modules_only() -> None:
+    """A bare GPU machine may lack what other test modules import (pycocoevalcap): pytest
+    -m gpu collects only the modules that hold GPU tests."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    names = {Path(f).name for f in gpu_check.gpu_test_files()}
+    assert "test_gpu.py" in names and "test_cider.py" not in names
+    for f in gpu_check.gpu_test_files():
+        assert "pytest.mark.gpu" in Path(f).read_text()

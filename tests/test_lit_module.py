@@ -15,6 +15,7 @@ import tiny_runs as runs
 import torch
 
 from captioning.checkpoint import CheckpointError
+from captioning.lit_module import CaptioningModule
 
 pytestmark = pytest.mark.usefixtures("signal_handlers_restored")
 
@@ -23,20 +24,27 @@ pytestmark = pytest.mark.usefixtures("signal_handlers_restored")
 # Non-finite values
 
 
-@pytest.mark.parametrize(("attention", "what"), [("soft", "nan"), ("hard", "nan"),
-                                                 ("soft", "inf_grad")])
+@pytest.mark.parametrize(("attention", "what", "fused", "at"), [
+    ("soft", "nan", False, 2), ("hard", "nan", False, 2), ("soft", "inf_grad", False, 2),
+    ("soft", "nan", True, 2), ("soft", "inf_grad", True, 2), ("soft", "nan", True, 1),
+    ("soft", "inf_grad", True, 1)])  # fused: the check without a sync
 def test_non_finite_values_stop_before_the_weights_change(
         shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path, attention: str,
-        what: str) -> None:
+        what: str, fused: bool, at: int) -> None:
+    """Fused Adam skips the bad update on the device (`found_inf`) and the error comes at
+    the next step's check (at 1) or before validation (at 2, the epoch's last batch): the
+    weights and the optimiser state are as they were, and no checkpoint is written."""
     L.seed_everything(0)
     dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
     module = runs.make_module(dm, attention)
-    breaker = runs.BreakAt(what, batch=2)
+    module.hparams.fused_adam = fused
+    breaker = runs.BreakAt(what, batch=at)
     trainer = runs.make_trainer(tmp_path / "ckpt", breaker, max_epochs=1)
     with pytest.raises(FloatingPointError) as info:
         trainer.fit(module, datamodule=dm)
     msg = str(info.value)
-    assert "at global step 2" in msg and "stopping before" in msg
+    assert f"at global step {at}" in msg and "stopping before" in msg
+    assert trainer.optimizers[0].defaults["fused"] is (True if fused else None)
     if what == "nan":
         assert repr(breaker.image_id) in msg  # the image whose input is bad
     else:
@@ -44,6 +52,42 @@ def test_non_finite_values_stop_before_the_weights_change(
     assert breaker.before is not None
     runs.assert_same(runs.snapshot(module, trainer), breaker.before)
     assert not (tmp_path / "ckpt" / "last.ckpt").exists()  # not an interruption: no save
+
+
+@pytest.mark.parametrize("clip", [0.05, 1e6])  # clipping every step, and never
+def test_clipping_reuses_the_checked_norm_and_equals_lightnings(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path, clip: float,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's one norm (StepGuard) clips exactly as Lightning's own clip_grad_norm_."""
+    def train(own: bool) -> dict[str, Any]:
+        if not own:  # Lightning's clipping through the precision plugin
+            monkeypatch.setattr(CaptioningModule, "configure_gradient_clipping",
+                                L.LightningModule.configure_gradient_clipping)
+        L.seed_everything(0)
+        dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
+        module = runs.make_module(dm)
+        trainer = runs.make_trainer(tmp_path / f"ckpt{own}", max_epochs=1,
+                                    gradient_clip_val=clip)
+        trainer.fit(module, datamodule=dm)
+        return runs.snapshot(module, trainer)
+
+    runs.assert_same(train(True), train(False))
+
+
+def test_a_bad_loss_among_accumulated_batches_is_named(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path) -> None:
+    """With gradient accumulation the first of the step's micro-batches is fine; the second
+    one's NaN loss is still caught before the optimiser step, and named."""
+    L.seed_everything(0)
+    dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
+    module = runs.make_module(dm)
+    breaker = runs.BreakAt("nan", batch=1)
+    trainer = runs.make_trainer(tmp_path / "ckpt", breaker, max_epochs=1,
+                                accumulate_grad_batches=2)
+    with pytest.raises(FloatingPointError, match=r"training loss nan .*batch 1\)") as info:
+        trainer.fit(module, datamodule=dm)
+    assert repr(breaker.image_id) in str(info.value)
+    runs.assert_same(runs.snapshot(module, trainer), breaker.before)
 
 
 # ------------------------------------------------------------------------------------------

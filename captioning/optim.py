@@ -1,0 +1,142 @@
+"""The optimiser step: Adam and its learning-rate schedule, and the guard that stops a run on
+a non-finite loss or gradient before the weights change, with at most one host sync a step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def build_adam(groups: list[dict[str, Any]], *, weight_decay: float, fused: bool,
+               schedule: str, warmup_steps: int, total_steps: int) -> Any:
+    """Adam over `groups`, with linear warm-up over `warmup_steps`, then `constant` or
+    `cosine` decay to zero at `total_steps`; Lightning's `configure_optimizers` value."""
+    opt = torch.optim.Adam(groups, weight_decay=weight_decay, fused=fused or None)
+    if schedule == "constant" and warmup_steps <= 0:
+        return opt
+    warm, total = max(0, warmup_steps), max(1, total_steps)
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@dataclass
+class _Pending:
+    """A step's finiteness flag on its way to the host, and what its message needs."""
+
+    ok: Tensor  # (1,) bool, on the host (pinned, from a GPU)
+    ready: torch.cuda.Event | None  # recorded after the copy (None: a CPU step)
+    losses: list[tuple[Tensor, Any]]
+    params: list[nn.Parameter]
+    norms: Tensor  # (P,) the gradients' norms, on the device
+    step: int
+
+
+class StepGuard:
+    """Keeps each micro-batch's loss without reading it, then, before the optimiser step,
+    checks those losses and the gradients' total norm together. The norm is the one that
+    clipping by norm uses, so it is computed once.
+
+    The check costs one host sync a step. With an optimiser that skips its update on a
+    device flag (fused Adam's `found_inf`, as GradScaler uses it) it costs none: the flag
+    skips a bad update on the device and reaches the host in the background, and the error
+    is raised at the next check or `flush` (call it before validation and before a
+    checkpoint is written), with the weights as they were before the bad step.
+    """
+
+    def __init__(self) -> None:
+        self._losses: list[tuple[Tensor, Any]] = []
+        self._pending: _Pending | None = None
+        self.grad_norm: Tensor | None = None
+
+    def add_loss(self, loss: Tensor, batch: Any, batch_idx: int, *, step: int,
+                 epoch: int) -> None:
+        """Record a micro-batch's loss, and where it came from for the message if it is bad."""
+        self._losses.append((loss.detach(), (batch, batch_idx, step, epoch)))
+
+    def check(self, optimizer: torch.optim.Optimizer, *,
+              names: Callable[[], dict[int, str]], step: int) -> None:
+        """Raise FloatingPointError when a recorded loss or a gradient of the optimiser's
+        parameters is NaN or infinite (for a deferred check: the previous step's, whose
+        update was skipped); `names` maps id(param) to its name."""
+        self.flush(names)
+        losses, self._losses = self._losses, []
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None]
+        grads = [p.grad for p in params]
+        deferred = bool(optimizer.defaults.get("fused")) and bool(grads)
+        norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]) if deferred else None
+        if norms is not None:
+            self.grad_norm = torch.linalg.vector_norm(norms)
+        else:
+            self.grad_norm = nn.utils.get_total_norm(grads) if grads else None
+        flags = [torch.isfinite(loss) for loss, _ in losses]
+        flags += [torch.isfinite(self.grad_norm)] if self.grad_norm is not None else []
+        if not flags:
+            return
+        ok = torch.stack(flags).all()
+        if norms is not None:  # fused Adam skips the update where found_inf != 0
+            optimizer.found_inf = (~ok).float()  # type: ignore[attr-defined]
+            host, ready = ok.view(1), None
+            if ok.is_cuda:
+                host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+                host.copy_(ok.view(1), non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            self._pending = _Pending(host, ready, losses, params, norms, step)
+        elif not bool(ok):  # the step's one sync
+            self._raise(losses, params, [bool(torch.isfinite(g).all()) for g in grads],
+                        names, step)
+
+    def flush(self, names: Callable[[], dict[int, str]]) -> None:
+        """Raise for a deferred check's bad step; waits for its flag if it is not there yet."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.ready is not None:
+            pending.ready.synchronize()  # long done by the next step: no real wait
+        if not bool(pending.ok):
+            finite = torch.isfinite(pending.norms).tolist()
+            self._raise(pending.losses, pending.params, finite, names, pending.step)
+
+    def clip_by_norm(self, params: list[nn.Parameter], max_norm: float) -> None:
+        """`torch.nn.utils.clip_grad_norm_` with the norm `check` computed."""
+        if self.grad_norm is not None:
+            nn.utils.clip_grads_with_norm_(params, max_norm, self.grad_norm)
+
+    @staticmethod
+    def _raise(losses: list[tuple[Tensor, Any]], params: list[nn.Parameter],
+               finite: list[bool], names: Callable[[], dict[int, str]], step: int) -> None:
+        for loss, (batch, batch_idx, at, epoch) in losses:
+            if not torch.isfinite(loss):
+                raise FloatingPointError(batch_message(f"training loss {loss.item()}", batch,
+                                                       batch_idx, step=at, epoch=epoch))
+        first = next((names().get(id(p), "?") for p, ok in zip(params, finite) if not ok), "?")
+        raise FloatingPointError(
+            f"non-finite gradient norm at global step {step} (first in {first}); stopping "
+            "before the optimiser corrupts the weights")
+
+
+def batch_message(what: str, batch: Any, batch_idx: int, *, step: int, epoch: int) -> str:
+    """The message for a non-finite value: the step, and the images whose inputs are bad."""
+    msg = (f"non-finite {what} at global step {step} (epoch {epoch}, batch {batch_idx}); "
+           "stopping before the weights are updated")
+    images = getattr(batch, "images", None)
+    if isinstance(images, Tensor) and images.is_floating_point():
+        bad = (~torch.isfinite(images.flatten(1))).any(1).nonzero().flatten().tolist()
+        ids = getattr(batch, "image_ids", None) or range(len(images))
+        msg += f"; non-finite inputs for image(s) {[ids[i] for i in bad[:5]]}" if bad else ""
+    return msg
