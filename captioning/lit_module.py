@@ -81,7 +81,7 @@ class CaptioningModule(L.LightningModule):
         self.test_results = EvalResults()
         self._pending = EvalResults()
         self._cache_source: tuple[Any, str] | None = None  # (data module, encoder fingerprint)
-        self._guard = StepGuard()  # non-finite losses and gradients, one sync a step
+        self._guard = StepGuard(self.named_parameters)  # non-finite losses and gradients
 
     @property
     def net_config(self) -> CaptionerConfig:
@@ -111,7 +111,7 @@ class CaptioningModule(L.LightningModule):
         self._cache_source = (dm, key["weights"])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._guard.flush(self._param_names)  # never save weights after an unchecked step
+        self._guard.flush()  # never save weights after an unchecked step
         if self.vocab is not None:
             checkpoint[ckpt.CHECKPOINT_VOCAB_KEY] = self.vocab.to_dict()
         checkpoint[ckpt.CHECKPOINT_CONFIG_KEY] = self.net_config.to_dict()
@@ -178,22 +178,27 @@ class CaptioningModule(L.LightningModule):
         loss = parts["loss"]
         self._guard.add_loss(loss, batch, batch_idx, step=self.global_step,  # checked before
                              epoch=self.current_epoch)  # the optimiser step, one sync
-        bs = batch.captions.size(0)
-        self.log_dict({f"train/{k}": v.detach() for k, v in parts.items()}, batch_size=bs)
-        self.log("train_loss", loss.detach(), batch_size=bs, prog_bar=True, logger=False)
+        if self._logs_this_step():
+            bs = batch.captions.size(0)
+            self.log_dict({f"train/{k}": v.detach() for k, v in parts.items()}, batch_size=bs)
+            self.log("train_loss", loss.detach(), batch_size=bs, prog_bar=True, logger=False)
         return loss
 
+    def _logs_this_step(self) -> bool:
+        """Whether Lightning hands this step's values to the loggers; other steps log nothing
+        (a logged value costs about 1 ms of host time, much of a GPU step)."""
+        if self._trainer is None or self.trainer.fast_dev_run:
+            return True
+        return (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._guard.check(optimizer, names=self._param_names, step=self.global_step)
+        self._guard.check(optimizer, step=self.global_step)
 
     def on_train_epoch_end(self) -> None:  # a deferred check's last step (fused Adam)
-        self._guard.flush(self._param_names)
+        self._guard.flush()
 
     def on_validation_start(self) -> None:
-        self._guard.flush(self._param_names)
-
-    def _param_names(self) -> dict[int, str]:
-        return {id(p): n for n, p in self.named_parameters()}
+        self._guard.flush()
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
                                     gradient_clip_val: float | None = None,

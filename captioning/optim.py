@@ -4,7 +4,7 @@ a non-finite loss or gradient before the weights change, with at most one host s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +57,9 @@ class StepGuard:
     checkpoint is written), with the weights as they were before the bad step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]]
+                 ) -> None:
+        self._names = named_parameters  # for the message: which parameter went bad
         self._losses: list[tuple[Tensor, Any]] = []
         self._pending: _Pending | None = None
         self.grad_norm: Tensor | None = None
@@ -67,12 +69,11 @@ class StepGuard:
         """Record a micro-batch's loss, and where it came from for the message if it is bad."""
         self._losses.append((loss.detach(), (batch, batch_idx, step, epoch)))
 
-    def check(self, optimizer: torch.optim.Optimizer, *,
-              names: Callable[[], dict[int, str]], step: int) -> None:
+    def check(self, optimizer: torch.optim.Optimizer, *, step: int) -> None:
         """Raise FloatingPointError when a recorded loss or a gradient of the optimiser's
         parameters is NaN or infinite (for a deferred check: the previous step's, whose
-        update was skipped); `names` maps id(param) to its name."""
-        self.flush(names)
+        update was skipped)."""
+        self.flush()
         losses, self._losses = self._losses, []
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None]
@@ -98,10 +99,9 @@ class StepGuard:
                 ready.record()
             self._pending = _Pending(host, ready, losses, params, norms, step)
         elif not bool(ok):  # the step's one sync
-            self._raise(losses, params, [bool(torch.isfinite(g).all()) for g in grads],
-                        names, step)
+            self._raise(losses, params, [bool(torch.isfinite(g).all()) for g in grads], step)
 
-    def flush(self, names: Callable[[], dict[int, str]]) -> None:
+    def flush(self) -> None:
         """Raise for a deferred check's bad step; waits for its flag if it is not there yet."""
         pending, self._pending = self._pending, None
         if pending is None:
@@ -110,21 +110,21 @@ class StepGuard:
             pending.ready.synchronize()  # long done by the next step: no real wait
         if not bool(pending.ok):
             finite = torch.isfinite(pending.norms).tolist()
-            self._raise(pending.losses, pending.params, finite, names, pending.step)
+            self._raise(pending.losses, pending.params, finite, pending.step)
 
     def clip_by_norm(self, params: list[nn.Parameter], max_norm: float) -> None:
         """`torch.nn.utils.clip_grad_norm_` with the norm `check` computed."""
         if self.grad_norm is not None:
             nn.utils.clip_grads_with_norm_(params, max_norm, self.grad_norm)
 
-    @staticmethod
-    def _raise(losses: list[tuple[Tensor, Any]], params: list[nn.Parameter],
-               finite: list[bool], names: Callable[[], dict[int, str]], step: int) -> None:
+    def _raise(self, losses: list[tuple[Tensor, Any]], params: list[nn.Parameter],
+               finite: list[bool], step: int) -> None:
         for loss, (batch, batch_idx, at, epoch) in losses:
             if not torch.isfinite(loss):
                 raise FloatingPointError(batch_message(f"training loss {loss.item()}", batch,
                                                        batch_idx, step=at, epoch=epoch))
-        first = next((names().get(id(p), "?") for p, ok in zip(params, finite) if not ok), "?")
+        names = {id(p): n for n, p in self._names()}
+        first = next((names.get(id(p), "?") for p, ok in zip(params, finite) if not ok), "?")
         raise FloatingPointError(
             f"non-finite gradient norm at global step {step} (first in {first}); stopping "
             "before the optimiser corrupts the weights")

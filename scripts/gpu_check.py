@@ -6,12 +6,14 @@
 
 Stages (rows of the table):
 
-* `tests`: `pytest -m gpu` (passed, failed and skipped counts);
+* `tests`: `pytest -m gpu` over the modules that hold GPU tests (passed, failed and skipped
+  counts); on a GPU they run while the COCO-size cache is written;
 * `train`: cached training at the paper configuration (VGG-19 14x14x512 grids, embedding and
   attention 512, LSTM 1800), batch 64 and 128, bf16-mixed and fp32: pairs/s, step time, data
   wait, peak GPU memory and GPU utilisation (mean over the timed steps); eager
   (`fast_path: off`), then the decoder's fast path (`graphs`: the fixed-shape pass as CUDA
-  graphs) at bf16 batch 64 and 128 and fp32 batch 64, with its speed-up over eager;
+  graphs) at bf16 batch 64 and 128 and fp32 batch 64, with its speed-up over eager. The
+  bf16 batch-64 pair runs `--rounds` times, eager and fast path alternating, pooled;
 * `coco`: cached training (bf16-mixed, batch 64) from a COCO-size cache: 113,287 synthetic
   196x512 float16 grids (22.7 GB), or as many as 80% of the free disk holds (the row says how
   many). They are written through the feature cache's own build path, random grids standing in
@@ -26,7 +28,9 @@ Stages (rows of the table):
   GPU) and its scaling efficiency: global pairs/s / (GPUs x one GPU's pairs/s).
 
 The training and beam rows are `scripts/benchmark.py`'s workers, each in a fresh process, one
-after another (peaks are per row; no row disturbs another). Captions are synthetic COCO-like
+after another (peaks are per row; no row disturbs another; beam search's four settings share
+one). On CUDA a training step's time is its span on the GPU timeline (no sync per step), and
+rates are medians over steps. The table ends with each stage's seconds. Captions are synthetic COCO-like
 ones (10k-word vocabulary) over the shapes images. `--cpu` (automatic without CUDA) runs every
 stage at tiny sizes (resnet18 at 64 px, 4x4 grid, a 32-unit decoder) in this process, with the
 GPU tests and a 2-process DDP run (gloo) in subprocesses alongside: it checks the command, and

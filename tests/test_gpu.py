@@ -200,10 +200,7 @@ def check_guard_needs_no_sync(device: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
-    guard, x = StepGuard(), torch.randn(16, 8, device=device)
-
-    def names() -> dict[int, str]:
-        return {id(p): n for n, p in model.named_parameters()}
+    guard, x = StepGuard(model.named_parameters), torch.randn(16, 8, device=device)
 
     def step(k: int, scale: float, *, strict: bool = True) -> None:
         opt.zero_grad()
@@ -212,7 +209,7 @@ def check_guard_needs_no_sync(device: str) -> None:
         guard.add_loss(loss, None, 0, step=k, epoch=0)
         torch.cuda.set_sync_debug_mode("error" if strict else 0)
         try:
-            guard.check(opt, names=names, step=k)
+            guard.check(opt, step=k)
             guard.clip_by_norm(list(model.parameters()), 0.5)
             opt.step()
         finally:

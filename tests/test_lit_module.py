@@ -5,6 +5,8 @@ or config is named."""
 
 from __future__ import annotations
 
+import csv
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,32 @@ def test_a_bad_loss_among_accumulated_batches_is_named(
         trainer.fit(module, datamodule=dm)
     assert repr(breaker.image_id) in str(info.value)
     runs.assert_same(runs.snapshot(module, trainer), breaker.before)
+
+
+def test_training_logs_only_the_steps_lightning_sends_to_the_loggers(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logging only every `log_every_n_steps` steps writes exactly the rows that logging at
+    every step writes."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    def metrics(every_step: bool) -> str:
+        if every_step:
+            monkeypatch.setattr(CaptioningModule, "_logs_this_step", lambda self: True)
+        L.seed_everything(0)
+        dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
+        module = runs.make_module(dm)
+        logger = CSVLogger(str(tmp_path / f"logs{every_step}"), name="", version="")
+        trainer = runs.make_trainer(tmp_path / f"ckpt{every_step}", max_epochs=3, logger=logger,
+                                    log_every_n_steps=2)
+        trainer.fit(module, datamodule=dm)
+        return (Path(logger.log_dir) / "metrics.csv").read_text()
+
+    throttled = metrics(False)
+    assert throttled == metrics(True)
+    rows = list(csv.DictReader(io.StringIO(throttled)))
+    logged = [int(r["step"]) for r in rows if r.get("train/loss")]
+    assert logged == [1, 3, 5, 7]  # 9 steps (3 epochs of 3 batches), every second one
 
 
 # ------------------------------------------------------------------------------------------
