@@ -25,6 +25,7 @@ from captioning.models.encoder import fingerprint
 from captioning.objectives import build_objective
 from captioning.optim import StepGuard, batch_message, build_adam
 from captioning.scst import ScstConfig
+from captioning.train_values import TrainValues
 from captioning.vocab import Vocabulary
 
 
@@ -82,6 +83,7 @@ class CaptioningModule(L.LightningModule):
         self._pending = EvalResults()
         self._cache_source: tuple[Any, str] | None = None  # (data module, encoder fingerprint)
         self._guard = StepGuard(self.named_parameters)  # non-finite losses and gradients
+        self._train_values = TrainValues()  # logged on the steps that reach the loggers
 
     @property
     def net_config(self) -> CaptionerConfig:
@@ -148,6 +150,7 @@ class CaptioningModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         """Report what the data module skipped as bad input (`data/skipped_*`) to every logger."""
+        self._guard = StepGuard(self.named_parameters)  # nothing left from a failed fit
         skipped = getattr(getattr(self.trainer, "datamodule", None), "skipped", None)
         if isinstance(skipped, dict) and self.trainer.is_global_zero:
             metrics = {f"data/skipped_{k}": float(v) for k, v in skipped.items()}
@@ -178,18 +181,11 @@ class CaptioningModule(L.LightningModule):
         loss = parts["loss"]
         self._guard.add_loss(loss, batch, batch_idx, step=self.global_step,  # checked before
                              epoch=self.current_epoch)  # the optimiser step, one sync
-        if self._logs_this_step():
-            bs = batch.captions.size(0)
-            self.log_dict({f"train/{k}": v.detach() for k, v in parts.items()}, batch_size=bs)
-            self.log("train_loss", loss.detach(), batch_size=bs, prog_bar=True, logger=False)
+        self._train_values.offer(self, self._trainer, parts, batch.captions.size(0))
         return loss
 
-    def _logs_this_step(self) -> bool:
-        """Whether Lightning hands this step's values to the loggers; other steps log nothing
-        (a logged value costs about 1 ms of host time, much of a GPU step)."""
-        if self._trainer is None or self.trainer.fast_dev_run:
-            return True
-        return (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._train_values.on_batch_end(self)  # a step that stops the run is logged
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._guard.check(optimizer, step=self.global_step)
@@ -198,18 +194,14 @@ class CaptioningModule(L.LightningModule):
         self._guard.flush()
 
     def on_validation_start(self) -> None:
-        self._guard.flush()
+        if self.trainer.state.fn == "fit":  # not a later validate() after a failed fit
+            self._guard.flush()
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
                                     gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
-        """Clipping by norm reuses the norm the step's check computed."""
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            self._guard.clip_by_norm([p for g in optimizer.param_groups for p in g["params"]],
-                                     gradient_clip_val)
-        else:
-            super().configure_gradient_clipping(optimizer, gradient_clip_val,
-                                                gradient_clip_algorithm)
+        """Clipping by norm reuses the norm the step's check computed (`StepGuard.clip`)."""
+        self._guard.clip(optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

@@ -79,9 +79,9 @@ class StepGuard:
                   if p.grad is not None]
         grads = [p.grad for p in params]
         deferred = bool(optimizer.defaults.get("fused")) and bool(grads)
-        norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]) if deferred else None
+        norms = _norms(grads) if deferred else None  # kept for the message, one per parameter
         if norms is not None:
-            self.grad_norm = torch.linalg.vector_norm(norms)
+            self.grad_norm = torch.linalg.vector_norm(norms)  # as get_total_norm reduces them
         else:
             self.grad_norm = nn.utils.get_total_norm(grads) if grads else None
         flags = [torch.isfinite(loss) for loss, _ in losses]
@@ -112,10 +112,18 @@ class StepGuard:
             finite = torch.isfinite(pending.norms).tolist()
             self._raise(pending.losses, pending.params, finite, pending.step)
 
-    def clip_by_norm(self, params: list[nn.Parameter], max_norm: float) -> None:
-        """`torch.nn.utils.clip_grad_norm_` with the norm `check` computed."""
-        if self.grad_norm is not None:
-            nn.utils.clip_grads_with_norm_(params, max_norm, self.grad_norm)
+    def clip(self, optimizer: torch.optim.Optimizer, value: float | None,
+             algorithm: str = "norm") -> None:
+        """Lightning's gradient clipping of the optimiser's parameters, done here: by norm
+        with the norm `check` computed (as `torch.nn.utils.clip_grad_norm_`), or by value.
+        Lightning's own refuses a fused optimiser."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not value:
+            return
+        if algorithm == "value":
+            nn.utils.clip_grad_value_(params, value)
+        elif self.grad_norm is not None:
+            nn.utils.clip_grads_with_norm_(params, value, self.grad_norm)
 
     def _raise(self, losses: list[tuple[Tensor, Any]], params: list[nn.Parameter],
                finite: list[bool], step: int) -> None:
@@ -128,6 +136,14 @@ class StepGuard:
         raise FloatingPointError(
             f"non-finite gradient norm at global step {step} (first in {first}); stopping "
             "before the optimiser corrupts the weights")
+
+
+def _norms(grads: list[Tensor]) -> Tensor:
+    """Each gradient's L2 norm (P,), reduced as `torch.nn.utils.get_total_norm` reduces them:
+    one foreach kernel on CUDA, a norm per tensor elsewhere."""
+    if grads[0].is_cuda:
+        return torch.stack(torch._foreach_norm(grads))
+    return torch.stack([torch.linalg.vector_norm(g) for g in grads])
 
 
 def batch_message(what: str, batch: Any, batch_idx: int, *, step: int, epoch: int) -> str:

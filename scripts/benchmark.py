@@ -282,6 +282,9 @@ def _step_timer(spec: dict[str, Any]) -> Any:
             self.events: list[Any] = []
             self.periods: list[float] | None = None
 
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.last_end = time.perf_counter()  # the first wait, with no warm-up step
+
         def _now(self) -> float:
             if cuda and each:
                 torch.cuda.synchronize()
@@ -505,14 +508,16 @@ def worker_profile(spec: dict[str, Any]) -> dict[str, Any]:
 def summarize_train(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Pool the timed steps of every round: medians (robust to other processes on a shared
     machine) and means. A step's time is its host time plus the wait before it, or its
-    GPU-timeline period where the round has `periods` (CUDA without per-step syncs)."""
+    GPU-timeline period where the round has `periods` (CUDA without per-step syncs); there
+    `step_ms` is the period too."""
     def totals(r: dict[str, Any]) -> list[float]:
         return r.get("periods") or [a + b for a, b in zip(r["steps"], r["waits"])]
 
     total = [x for r in rounds for x in totals(r)]
     waits = [x for r in rounds for x in r["waits"]]
     sizes = [x for r in rounds for x in r["sizes"]]
-    steps = [t - w for t, w in zip(total, waits)]
+    # A GPU-timeline period overlaps the host's wait: it is the step's time as it stands.
+    steps = [x for r in rounds for x in (r.get("periods") or r["steps"])]
     return {"captions_per_s": statistics.median(n / t for n, t in zip(sizes, total)),
             "step_ms": 1e3 * statistics.median(steps),
             "wait": statistics.median(waits) / statistics.median(total),

@@ -363,8 +363,9 @@ def _drop_from_page_cache(path: Path) -> None:
 def gpu_test_files() -> list[str]:
     """The test modules that hold GPU tests: pytest collects only these, so a module that
     needs what a bare GPU machine lacks (pycocoevalcap, say) cannot stop the GPU tests."""
+    marked = re.compile(r"^(@pytest\.mark\.gpu\b|pytestmark\b.*\bpytest\.mark\.gpu\b)", re.M)
     return [str(p) for p in sorted((ROOT / "tests").glob("test_*.py"))
-            if "mark.gpu" in p.read_text()]
+            if marked.search(p.read_text())]
 
 
 def start_gpu_tests() -> subprocess.Popen[str]:

@@ -194,7 +194,7 @@ def check_fast_path_bf16(device: str, mode: str) -> None:
 
 def check_guard_needs_no_sync(device: str) -> None:
     """Fused Adam's step guard (`StepGuard`): a clean step's check, clipping and update run
-    without a host sync (sync debug mode "error" would raise); an inf loss's update is
+    without a host sync, and its norm is `get_total_norm`'s (sync debug mode "error" would raise); an inf loss's update is
     skipped on the device and the error comes at the next check, the weights and the
     optimiser state untouched."""
     torch.manual_seed(0)
@@ -210,10 +210,13 @@ def check_guard_needs_no_sync(device: str) -> None:
         torch.cuda.set_sync_debug_mode("error" if strict else 0)
         try:
             guard.check(opt, step=k)
-            guard.clip_by_norm(list(model.parameters()), 0.5)
+            reference = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            guard.clip(opt, 0.5)
             opt.step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+        if math.isfinite(scale):  # the norm that clips is clip_grad_norm_'s, to the bit
+            assert guard.grad_norm is not None and torch.equal(guard.grad_norm, reference)
 
     step(0, 1.0, strict=False)  # the optimiser's state is made on the first step
     step(1, 1.0)

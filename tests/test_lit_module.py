@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,11 +57,33 @@ def test_non_finite_values_stop_before_the_weights_change(
     assert not (tmp_path / "ckpt" / "last.ckpt").exists()  # not an interruption: no save
 
 
-@pytest.mark.parametrize("clip", [0.05, 1e6])  # clipping every step, and never
+def test_an_interrupt_while_a_bad_step_is_pending_saves_nothing(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """SIGTERM right after a non-finite step whose check is still on its way (fused Adam):
+    the interruption saves no checkpoint, says why, and the weights are as before the step."""
+    L.seed_everything(0)
+    dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
+    module = runs.make_module(dm)
+    module.hparams.fused_adam = True
+    breaker = runs.BreakAt("inf_grad", batch=1)
+    trainer = runs.make_trainer(tmp_path / "ckpt", breaker, runs.InterruptAt("SIGTERM", batch=1),
+                                max_epochs=1)
+    with pytest.raises(SystemExit), caplog.at_level(logging.WARNING):
+        trainer.fit(module, datamodule=dm)
+    assert "SIGTERM after a non-finite step: no checkpoint saved" in caplog.text
+    assert "non-finite gradient norm at global step 1" in caplog.text
+    assert not (tmp_path / "ckpt" / "last.ckpt").exists()
+    runs.assert_same(runs.snapshot(module, trainer), breaker.before)
+
+
+@pytest.mark.parametrize(("clip", "algorithm"), [(0.05, "norm"), (1e6, "norm"),
+                                                 (1e-3, "value")])  # every step; never
 def test_clipping_reuses_the_checked_norm_and_equals_lightnings(
-        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path, clip: float,
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path, clip: float, algorithm: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The step's one norm (StepGuard) clips exactly as Lightning's own clip_grad_norm_."""
+    """The step's one norm (StepGuard) clips exactly as Lightning's own clip_grad_norm_, and
+    clipping by value as Lightning's clip_grad_value_."""
     def train(own: bool) -> dict[str, Any]:
         if not own:  # Lightning's clipping through the precision plugin
             monkeypatch.setattr(CaptioningModule, "configure_gradient_clipping",
@@ -69,7 +92,7 @@ def test_clipping_reuses_the_checked_norm_and_equals_lightnings(
         dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
         module = runs.make_module(dm)
         trainer = runs.make_trainer(tmp_path / f"ckpt{own}", max_epochs=1,
-                                    gradient_clip_val=clip)
+                                    gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
         trainer.fit(module, datamodule=dm)
         return runs.snapshot(module, trainer)
 
@@ -92,22 +115,35 @@ def test_a_bad_loss_among_accumulated_batches_is_named(
     runs.assert_same(runs.snapshot(module, trainer), breaker.before)
 
 
+class StopAfter(L.Callback):
+    """Stop the run at the end of optimiser step `steps` (as a time limit would)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.steps:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("stop", [None, 5])
 def test_training_logs_only_the_steps_lightning_sends_to_the_loggers(
-        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path, stop: int | None,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Logging only every `log_every_n_steps` steps writes exactly the rows that logging at
-    every step writes."""
+    every step writes, also when a callback stops the run on a step in between."""
     from lightning.pytorch.loggers import CSVLogger
 
     def metrics(every_step: bool) -> str:
         if every_step:
-            monkeypatch.setattr(CaptioningModule, "_logs_this_step", lambda self: True)
+            monkeypatch.setattr("captioning.train_values.reaches_loggers", lambda *a: True)
         L.seed_everything(0)
         dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
         module = runs.make_module(dm)
         logger = CSVLogger(str(tmp_path / f"logs{every_step}"), name="", version="")
-        trainer = runs.make_trainer(tmp_path / f"ckpt{every_step}", max_epochs=3, logger=logger,
-                                    log_every_n_steps=2)
+        stops = [StopAfter(stop)] if stop else []
+        trainer = runs.make_trainer(tmp_path / f"ckpt{every_step}", *stops, max_epochs=3,
+                                    logger=logger, log_every_n_steps=2)
         trainer.fit(module, datamodule=dm)
         return (Path(logger.log_dir) / "metrics.csv").read_text()
 
@@ -115,7 +151,8 @@ def test_training_logs_only_the_steps_lightning_sends_to_the_loggers(
     assert throttled == metrics(True)
     rows = list(csv.DictReader(io.StringIO(throttled)))
     logged = [int(r["step"]) for r in rows if r.get("train/loss")]
-    assert logged == [1, 3, 5, 7]  # 9 steps (3 epochs of 3 batches), every second one
+    # 9 steps (3 epochs of 3 batches): every second one, and the one the run stopped on
+    assert logged == ([1, 3, 5, 7] if stop is None else [1, 3, 4])
 
 
 # ------------------------------------------------------------------------------------------

@@ -86,7 +86,11 @@ class CheckpointOnInterrupt(L.Callback):
             return
         self._training = False
         existing = _current_last_checkpoint(trainer)
-        path = existing or self.save(trainer)
+        try:
+            path = existing or self.save(trainer)
+        except FloatingPointError as e:  # a non-finite step was still being checked
+            log.warning("%s after a non-finite step: no checkpoint saved (%s)", cause, e)
+            return
         self.saved_path = path
         with contextlib.suppress(AttributeError):
             exception.checkpoint_path = path  # type: ignore[attr-defined]
