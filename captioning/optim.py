@@ -78,7 +78,10 @@ class StepGuard:
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None]
         grads = [p.grad for p in params]
-        deferred = bool(optimizer.defaults.get("fused")) and bool(grads)
+        # The groups say how Adam steps (a resumed checkpoint's groups win over the defaults).
+        deferred = bool(grads) and all(g.get("fused") for g in optimizer.param_groups)
+        if not deferred and hasattr(optimizer, "found_inf"):
+            del optimizer.found_inf  # only a fused step takes the flag
         norms = _norms(grads) if deferred else None  # kept for the message, one per parameter
         if norms is not None:
             self.grad_norm = torch.linalg.vector_norm(norms)  # as get_total_norm reduces them

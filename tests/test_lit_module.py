@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 
 from captioning.checkpoint import CheckpointError
 from captioning.lit_module import CaptioningModule
+from captioning.optim import StepGuard
 
 pytestmark = pytest.mark.usefixtures("signal_handlers_restored")
 
@@ -55,6 +57,33 @@ def test_non_finite_values_stop_before_the_weights_change(
     assert breaker.before is not None
     runs.assert_same(runs.snapshot(module, trainer), breaker.before)
     assert not (tmp_path / "ckpt" / "last.ckpt").exists()  # not an interruption: no save
+
+
+@pytest.mark.parametrize(("built_fused", "loaded_fused"), [(True, False), (False, True)])
+def test_the_guard_follows_the_optimiser_groups_after_a_resume(built_fused: bool,
+                                                               loaded_fused: bool) -> None:
+    """A checkpoint's optimiser groups decide whether Adam steps fused (resuming a CPU run on
+    a GPU, or back): the guard defers its check only for a fused step, which takes the flag."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), fused=built_fused or None)
+    opt.load_state_dict(torch.optim.Adam(model.parameters(), fused=loaded_fused or None)
+                        .state_dict())
+    guard = StepGuard(model.named_parameters)
+    for step, scale in enumerate([1.0, 1.0, math.inf]):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 3)).sum() * scale
+        loss.backward()
+        guard.add_loss(loss, None, 0, step=step, epoch=0)
+        if loaded_fused or step < 2:
+            guard.check(opt, step=step)  # deferred: the bad step raises at the next check
+            opt.step()
+        else:
+            with pytest.raises(FloatingPointError, match="training loss inf at global step 2"):
+                guard.check(opt, step=step)
+    if loaded_fused:
+        with pytest.raises(FloatingPointError, match="training loss inf at global step 2"):
+            guard.flush()
 
 
 def test_an_interrupt_while_a_bad_step_is_pending_saves_nothing(
