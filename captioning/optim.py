@@ -82,17 +82,14 @@ class StepGuard:
         deferred = bool(grads) and all(g.get("fused") for g in optimizer.param_groups)
         if not deferred and hasattr(optimizer, "found_inf"):
             del optimizer.found_inf  # only a fused step takes the flag
-        norms = _norms(grads) if deferred else None  # kept for the message, one per parameter
-        if norms is not None:
-            self.grad_norm = torch.linalg.vector_norm(norms)  # as get_total_norm reduces them
-        else:
-            self.grad_norm = nn.utils.get_total_norm(grads) if grads else None
+        norms = _norms(grads) if grads else None  # (P,), kept to name a bad parameter
+        self.grad_norm = None if norms is None else torch.linalg.vector_norm(norms)
         flags = [torch.isfinite(loss) for loss, _ in losses]
         flags += [torch.isfinite(self.grad_norm)] if self.grad_norm is not None else []
         if not flags:
             return
         ok = torch.stack(flags).all()
-        if norms is not None:  # fused Adam skips the update where found_inf != 0
+        if deferred and norms is not None:  # fused Adam skips the update where found_inf != 0
             optimizer.found_inf = (~ok).float()  # type: ignore[attr-defined]
             host, ready = ok.view(1), None
             if ok.is_cuda:
@@ -102,7 +99,8 @@ class StepGuard:
                 ready.record()
             self._pending = _Pending(host, ready, losses, params, norms, step)
         elif not bool(ok):  # the step's one sync
-            self._raise(losses, params, [bool(torch.isfinite(g).all()) for g in grads], step)
+            finite = [] if norms is None else torch.isfinite(norms).tolist()
+            self._raise(losses, params, finite, step)
 
     def flush(self) -> None:
         """Raise for a deferred check's bad step; waits for its flag if it is not there yet."""
@@ -120,9 +118,9 @@ class StepGuard:
         """Lightning's gradient clipping of the optimiser's parameters, done here: by norm
         with the norm `check` computed (as `torch.nn.utils.clip_grad_norm_`), or by value.
         Lightning's own refuses a fused optimiser."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         if not value:
             return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         if algorithm == "value":
             nn.utils.clip_grad_value_(params, value)
         elif self.grad_norm is not None:
@@ -142,8 +140,9 @@ class StepGuard:
 
 
 def _norms(grads: list[Tensor]) -> Tensor:
-    """Each gradient's L2 norm (P,), reduced as `torch.nn.utils.get_total_norm` reduces them:
-    one foreach kernel on CUDA, a norm per tensor elsewhere."""
+    """Each gradient's L2 norm (P,), computed as `torch.nn.utils.get_total_norm` computes them
+    (one foreach kernel on CUDA, a norm per tensor elsewhere), so that their norm is its total
+    and clipping equals `clip_grad_norm_`'s."""
     if grads[0].is_cuda:
         return torch.stack(torch._foreach_norm(grads))
     return torch.stack([torch.linalg.vector_norm(g) for g in grads])

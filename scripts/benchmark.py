@@ -530,8 +530,8 @@ def summarize_train(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
     """Beam search on the cached val features (repeated up to `beam_images`), every caption
-    `max_len` steps, at `beam_size` and `batch_size`; with `settings` ([[beam, batch], ...])
-    at each of those in turn, in this one process: `{"rows": [result, ...]}`."""
+    `max_len` steps, at each `settings` ([[beam, batch], ...]; default: `beam_size` and
+    `batch_size`) in turn, in this one process: `{"rows": [result per setting]}`."""
     import lightning.pytorch as L
     import torch
 
@@ -574,9 +574,8 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
                 "notes": f"beam {beam}, {spec['max_len']} steps, batch {b}, "
                          f"{len(feats)} images"}
 
-    if "settings" in spec:
-        return {"rows": [measure(beam, b) for beam, b in spec["settings"]]}
-    return measure(spec["beam_size"], spec["batch_size"])
+    settings = spec.get("settings") or [[spec["beam_size"], spec["batch_size"]]]
+    return {"rows": [measure(beam, b) for beam, b in settings]}
 
 
 def worker_coco_index(spec: dict[str, Any]) -> dict[str, Any]:
@@ -937,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
             res = run_worker({**base, "kind": "beam", "attention": "soft", "num_workers": 0,
                               "beam_size": args.beam_size, "max_len": args.max_len,
                               "beam_images": base["shapes"]["num_val"], "weights": weights},
-                             args.threads)
+                             args.threads)["rows"][0]
             results.append((f"beam search, cached, soft (beam {args.beam_size})", res))
         padding = run_padding_rows(base, args, work, results, coco="coco" in rows)
 

@@ -196,8 +196,8 @@ def stage_beam(check: Check) -> None:
     settings = [[beam, batch] for beam in (3, 5) for batch in ((5, 10) if check.cpu else
                                                                (100, 500))]
     spec = {**check.base, "kind": "beam", "attention": "soft", "num_workers": 0,
-            "precision": "bf16-mixed", "beam_size": 3, "max_len": 20, "beam_images": images,
-            "batch_size": settings[0][1], "settings": settings}
+            "precision": "bf16-mixed", "max_len": 20, "beam_images": images,
+            "settings": settings}
     for (beam, batch), res in zip(settings, check.run(spec)["rows"]):
         check.add("beam search", f"beam {beam}, {batch} images per batch",
                   f"{res['captions_per_s']:.1f} captions/s", step_ms=f"{res['step_ms']:.0f}",
