@@ -50,6 +50,10 @@ class StepGuard:
     checks those losses and the gradients' total norm together. The norm is the one that
     clipping by norm uses, so it is computed once.
 
+    Under DDP every process decides alike: the flag is the minimum over the ranks (one
+    one-element all-reduce, queued like the gradients' own), so a loss that is bad on one rank
+    stops them all at the same step instead of leaving the others waiting in a collective.
+
     The check costs one host sync a step. With an optimiser that skips its update on a
     device flag (fused Adam's `found_inf`, as GradScaler uses it) it costs none: the flag
     skips a bad update on the device and reaches the host in the background, and the error
@@ -88,7 +92,7 @@ class StepGuard:
         flags += [torch.isfinite(self.grad_norm)] if self.grad_norm is not None else []
         if not flags:
             return
-        ok = torch.stack(flags).all()
+        ok = _all_ranks(torch.stack(flags).all())
         if deferred and norms is not None:  # fused Adam skips the update where found_inf != 0
             optimizer.found_inf = (~ok).float()  # type: ignore[attr-defined]
             host, ready = ok.view(1), None
@@ -133,10 +137,24 @@ class StepGuard:
                 raise FloatingPointError(batch_message(f"training loss {loss.item()}", batch,
                                                        batch_idx, step=at, epoch=epoch))
         names = {id(p): n for n, p in self._names()}
-        first = next((names.get(id(p), "?") for p, ok in zip(params, finite) if not ok), "?")
+        first = next((names.get(id(p), "?") for p, ok in zip(params, finite) if not ok), None)
+        if first is None:  # this process's values are finite: another rank's were not
+            raise FloatingPointError(
+                f"a non-finite training loss or gradient on another process at global step "
+                f"{step}; stopping every process before the optimiser corrupts the weights")
         raise FloatingPointError(
             f"non-finite gradient norm at global step {step} (first in {first}); stopping "
             "before the optimiser corrupts the weights")
+
+
+def _all_ranks(ok: Tensor) -> Tensor:
+    """`ok` on every rank of the default process group (its minimum), else as it is."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return ok
+    flag = ok.to(torch.int32).view(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return flag[0].bool()
 
 
 def _norms(grads: list[Tensor]) -> Tensor:

@@ -66,6 +66,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -244,7 +245,7 @@ def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
     out = {"steps": timer.steps, "waits": timer.waits, "sizes": timer.sizes,
            "rows": timer.rows, "real": timer.real, "peak_mb": _peak_memory_mb(device),
            "notes": "; ".join(notes), "vocab": dm.vocab_size, "gpu_util": timer.utilisation,
-           "periods": timer.periods,
+           "periods": timer.periods, "gpu_waits": timer.gpu_waits,
            "world_size": trainer.world_size}
     for probe in probes:
         out.update(probe.result())
@@ -260,9 +261,12 @@ def _step_timer(spec: dict[str, Any]) -> Any:
     does; a sync around each step would stop it preparing the next step while the GPU works.
     There a CUDA event is recorded at each step's start, without a sync, and a step's time
     (`periods`) is the GPU-timeline span from its start event to the next: the rate at which
-    steps go through, whether the host or the GPU bounds it. `waits` stay host times (the
-    loader's), an upper bound on the GPU's wait for data. `sync_steps` syncs around every
-    step instead (the older measure)."""
+    steps go through, whether the host or the GPU bounds it. `waits` stay host times: the
+    loader's, the transfer's and, when the GPU bounds the run, the host's wait for the GPU's
+    queue. `gpu_waits` are what the GPU itself waited: the span from one step's end event to
+    the next step's start event (the batch's copy, the loader and the loop's host work between
+    steps), zero when the host is ahead. `sync_steps` syncs around every step instead (the
+    older measure)."""
     import lightning.pytorch as L
     import torch
 
@@ -280,7 +284,9 @@ def _step_timer(spec: dict[str, Any]) -> Any:
             self.utilisation: float | None = None
             self.words: list[Any] = []  # each timed batch's words per caption
             self.events: list[Any] = []
+            self.end_events: list[Any] = []
             self.periods: list[float] | None = None
+            self.gpu_waits: list[float] | None = None
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.last_end = time.perf_counter()  # the first wait, with no warm-up step
@@ -312,12 +318,15 @@ def _step_timer(spec: dict[str, Any]) -> Any:
                 self.steps.append(self.last_end - self.t_start)
                 self.words.append((batch.lengths - 1).clamp_min(0))  # read at the end: no sync
                 self.sizes.append(len(batch.lengths))
+            if not each and self.i >= spec["warmup"]:
+                self.end_events.append(torch.cuda.Event(enable_timing=True))
+                self.end_events[-1].record()
             if not each and self.i == spec["warmup"] + spec["steps"] - 1:
-                self.events.append(torch.cuda.Event(enable_timing=True))
-                self.events[-1].record()
-                self.events[-1].synchronize()
-                self.periods = [a.elapsed_time(b) / 1e3
-                                for a, b in zip(self.events, self.events[1:])]
+                self.end_events[-1].synchronize()
+                starts = [*self.events, self.end_events[-1]]  # the last period ends here
+                self.periods = [a.elapsed_time(b) / 1e3 for a, b in pairwise(starts)]
+                self.gpu_waits = [a.elapsed_time(b) / 1e3
+                                  for a, b in zip(self.end_events, starts[1:])]
             self.i += 1
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -509,7 +518,9 @@ def summarize_train(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Pool the timed steps of every round: medians (robust to other processes on a shared
     machine) and means. A step's time is its host time plus the wait before it, or its
     GPU-timeline period where the round has `periods` (CUDA without per-step syncs); there
-    `step_ms` is the period too."""
+    `step_ms` is the period too. `wait` is the share of time the GPU waited between steps where
+    every round has `gpu_waits` (its total over the periods' total: a few long waits count in
+    full), else the host's wait, as `host_wait` always is (medians)."""
     def totals(r: dict[str, Any]) -> list[float]:
         return r.get("periods") or [a + b for a, b in zip(r["steps"], r["waits"])]
 
@@ -518,9 +529,13 @@ def summarize_train(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     sizes = [x for r in rounds for x in r["sizes"]]
     # A GPU-timeline period overlaps the host's wait: it is the step's time as it stands.
     steps = [x for r in rounds for x in (r.get("periods") or r["steps"])]
+    host_wait = statistics.median(waits) / statistics.median(total)
+    gpu = all(r.get("gpu_waits") for r in rounds)
+    gpu_waits = [x for r in rounds for x in r.get("gpu_waits") or []]
     return {"captions_per_s": statistics.median(n / t for n, t in zip(sizes, total)),
             "step_ms": 1e3 * statistics.median(steps),
-            "wait": statistics.median(waits) / statistics.median(total),
+            "wait": sum(gpu_waits) / sum(total) if gpu else host_wait, "host_wait": host_wait,
+            "wait_on": "gpu" if gpu else "host",
             "mean_captions_per_s": sum(sizes) / sum(total), "mean_wait": sum(waits) / sum(total),
             "padding": 1 - sum(r["real"] for r in rounds) / max(1, sum(r["rows"] for r in rounds)),
             "peak_mb": max(r["peak_mb"] for r in rounds), "timed_steps": len(steps),

@@ -30,7 +30,9 @@ Stages (rows of the table):
 The training and beam rows are `scripts/benchmark.py`'s workers, each in a fresh process, one
 after another (peaks are per row; no row disturbs another; beam search's four settings share
 one). On CUDA a training step's time is its span on the GPU timeline (no sync per step), and
-rates are medians over steps. The table ends with each stage's seconds. Captions are synthetic COCO-like
+rates are medians over steps; "data wait" there is the time the GPU waited between steps (from
+one step's end event to the next one's start: the copy, the loader and the loop's host work)
+over the total, and the notes give the host's wait. The table ends with each stage's seconds. Captions are synthetic COCO-like
 ones (10k-word vocabulary) over the shapes images. `--cpu` (automatic without CUDA) runs every
 stage at tiny sizes (resnet18 at 64 px, 4x4 grid, a 32-unit decoder) in this process, with the
 GPU tests and a 2-process DDP run (gloo) in subprocesses alongside: it checks the command, and
@@ -123,6 +125,8 @@ def train_row(check: Check, stage: str, config: str, res: dict[str, Any] | list[
     if len(rounds) > 1:
         per = ", ".join(f"{x * world:.0f}" for x in s["per_round_captions_per_s"])
         notes = "; ".join(x for x in (notes, f"{len(rounds)} rounds (means {per})") if x)
+    if s["wait_on"] == "gpu":  # the GPU's own wait is the column; the host's stays in notes
+        notes = "; ".join(x for x in (notes, f"host wait {100 * s['host_wait']:.1f}%") if x)
     check.add(stage, config, f"{rate:.1f} pairs/s", step_ms=f"{s['step_ms']:.0f}",
               wait=f"{100 * s['wait']:.1f}%", peak=f"{s['peak_mb']:.0f}",
               util="" if util is None else f"{util:.0f}%",

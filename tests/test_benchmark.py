@@ -89,8 +89,14 @@ def test_summary_of_gpu_timeline_periods_and_of_host_steps() -> None:
            "periods": [0.010, 0.010, 0.010, 1.0]}
     s = benchmark.summarize_train([gpu])
     assert s["captions_per_s"] == 6400.0 and abs(s["step_ms"] - 10.0) < 1e-9
-    assert abs(s["wait"] - 0.1) < 1e-12
+    assert abs(s["wait"] - 0.1) < 1e-12 and s["wait_on"] == "host"
     assert abs(s["mean_captions_per_s"] - 256 / 1.03) < 1e-9
+    # The GPU's own waits between steps, where recorded: their total over the periods' total.
+    s = benchmark.summarize_train([{**gpu, "gpu_waits": [0.0, 0.003, 0.0, 0.0]}])
+    assert s["wait_on"] == "gpu" and abs(s["wait"] - 0.003 / 1.03) < 1e-12
+    assert abs(s["host_wait"] - 0.1) < 1e-12
+    both = benchmark.summarize_train([{**gpu, "gpu_waits": [0.001] * 4}, gpu])
+    assert both["wait_on"] == "host"  # one round without them: the host measure for all
     cpu = {**base, "steps": [0.3, 0.3, 0.5], "waits": [0.1, 0.1, 0.1], "sizes": [32] * 3}
     s = benchmark.summarize_train([cpu])
     assert s["captions_per_s"] == 80.0 and abs(s["step_ms"] - 300.0) < 1e-9

@@ -241,6 +241,25 @@ def images(shapes_root: Path, tmp_path: Path) -> list[Path]:
     return out
 
 
+def check_step_timer_reads_the_gpu_timeline(device: str, work: Path) -> None:
+    """The benchmark's training worker times CUDA steps by events, without a sync per step:
+    one period and one GPU wait per timed step, the waits within their periods, the last zero."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import benchmark
+
+    base = benchmark.make_base(work, device=device, encoder="resnet18", grid_size=4, tiny=True,
+                               batch_size=4, num_train=16, num_val=8, image_size=64, steps=3,
+                               warmup=1)
+    res = benchmark.worker_train({**base, "kind": "train", "attention": "soft", "cached": True,
+                                  "num_workers": 0, "precision": "bf16-mixed"})
+    assert len(res["periods"]) == len(res["gpu_waits"]) == len(res["steps"]) == 3
+    assert all(0 <= w <= p for w, p in zip(res["gpu_waits"], res["periods"]))
+    assert res["gpu_waits"][-1] == 0.0
+    assert benchmark.summarize_train([res])["wait_on"] == "gpu"
+
+
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_bf16_forward_and_backward_are_finite(attention: str) -> None:
     check_bf16_step("cuda", attention)
@@ -271,3 +290,7 @@ def test_feature_cache_builds_on_the_device(images: list[Path], tmp_path: Path,
 
 def test_step_guard_with_fused_adam_needs_no_sync() -> None:
     check_guard_needs_no_sync("cuda")
+
+
+def test_benchmark_times_steps_on_the_gpu_timeline(tmp_path: Path) -> None:
+    check_step_timer_reads_the_gpu_timeline("cuda", tmp_path)

@@ -86,6 +86,37 @@ def test_the_guard_follows_the_optimiser_groups_after_a_resume(built_fused: bool
             guard.flush()
 
 
+def _guarded_rank(rank: int, init_file: str, fused: bool, out: str) -> None:
+    """One of two gloo ranks: a step whose loss is infinite on rank 0 only, with finite
+    gradients everywhere (the gradients alone would let rank 1 go on)."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}",
+                                         rank=rank, world_size=2)
+    try:
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.Adam(model.parameters(), fused=fused or None)
+        guard = StepGuard(model.named_parameters)
+        model(torch.ones(1, 3)).sum().backward()
+        guard.add_loss(torch.tensor(math.inf if rank == 0 else 1.0), None, 0, step=7, epoch=0)
+        try:
+            guard.check(opt, step=7)
+            guard.flush()  # the deferred check's flag
+        except FloatingPointError as e:
+            Path(f"{out}.{rank}").write_text(str(e))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_bad_loss_on_one_rank_stops_every_rank(fused: bool, tmp_path: Path) -> None:
+    """Under DDP the guard's flag is agreed across the ranks: both stop at the step, each
+    saying whose value was bad, and none is left waiting in the next collective."""
+    out = str(tmp_path / "error")
+    torch.multiprocessing.spawn(_guarded_rank, args=(str(tmp_path / "init"), fused, out),
+                                nprocs=2)
+    assert "training loss inf at global step 7" in Path(f"{out}.0").read_text()
+    assert "on another process at global step 7" in Path(f"{out}.1").read_text()
+
+
 def test_an_interrupt_while_a_bad_step_is_pending_saves_nothing(
         shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
         caplog: pytest.LogCaptureFixture) -> None:
