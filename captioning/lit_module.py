@@ -23,7 +23,7 @@ from captioning.models.decoder import resolve_fast_path
 from captioning.models.decoding import Generation
 from captioning.models.encoder import fingerprint
 from captioning.objectives import build_objective
-from captioning.optim import StepGuard, batch_message, build_adam
+from captioning.optim import StepGuard, batch_message, build_adam, poisoned_loss
 from captioning.scst import ScstConfig
 from captioning.train_values import TrainValues
 from captioning.vocab import Vocabulary
@@ -170,17 +170,20 @@ class CaptioningModule(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         if self.captioner.decoder.fast_path == "graphs":  # last step's graph outputs are free
             torch.compiler.cudagraph_mark_step_begin()
+        where = {"step": self.global_step, "epoch": self.current_epoch}
         try:
             parts = self.losses(batch)
         except RuntimeError as e:  # e.g. hard attention sampling from NaN attention weights
             if "nan" not in str(e).lower() and "inf" not in str(e).lower():
                 raise
-            raise FloatingPointError(batch_message("values in the forward pass", batch, batch_idx,
-                                                   step=self.global_step,
-                                                   epoch=self.current_epoch)) from e
+            what = "values in the forward pass"
+            if self.trainer.world_size < 2:
+                raise FloatingPointError(batch_message(what, batch, batch_idx, **where)) from e
+            loss = poisoned_loss(self.parameters())  # DDP: the other ranks stop with this one
+            self._guard.add_loss(loss, batch, batch_idx, what=what, **where)
+            return loss
         loss = parts["loss"]
-        self._guard.add_loss(loss, batch, batch_idx, step=self.global_step,  # checked before
-                             epoch=self.current_epoch)  # the optimiser step, one sync
+        self._guard.add_loss(loss, batch, batch_idx, **where)  # checked before the optimiser
         self._train_values.offer(self, self._trainer, parts, batch.captions.size(0))
         return loss
 
@@ -188,7 +191,7 @@ class CaptioningModule(L.LightningModule):
         self._train_values.on_batch_end(self)  # a step that stops the run is logged
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._guard.check(optimizer, step=self.global_step)
+        self._guard.check(optimizer, step=self.global_step, scaled=self._scaled())
 
     def on_train_epoch_end(self) -> None:  # a deferred check's last step (fused Adam)
         self._guard.flush()
@@ -201,7 +204,12 @@ class CaptioningModule(L.LightningModule):
                                     gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
         """Clipping by norm reuses the norm the step's check computed (`StepGuard.clip`)."""
-        self._guard.clip(optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+        self._guard.clip(optimizer, gradient_clip_val, gradient_clip_algorithm or "norm",
+                         scaled=self._scaled())
+
+    def _scaled(self) -> bool:
+        """A GradScaler (16-mixed) scales the loss and owns the gradients' finiteness."""
+        return getattr(self.trainer.precision_plugin, "scaler", None) is not None
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -210,8 +218,7 @@ class CaptioningModule(L.LightningModule):
         groups += [{"params": enc, "lr": hp.encoder_lr}] if enc else []
         fused = hp.fused_adam
         if fused is None:  # on CUDA, unless a GradScaler (16-mixed) unscales before the step
-            fused = self.device.type == "cuda" and getattr(
-                self.trainer.precision_plugin, "scaler", None) is None
+            fused = self.device.type == "cuda" and not self._scaled()
         scheduled = hp.lr_schedule != "constant" or hp.warmup_steps > 0
         return build_adam(groups, weight_decay=hp.weight_decay, fused=fused,
                           schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,

@@ -68,15 +68,19 @@ class StepGuard:
         self._pending: _Pending | None = None
         self.grad_norm: Tensor | None = None
 
-    def add_loss(self, loss: Tensor, batch: Any, batch_idx: int, *, step: int,
-                 epoch: int) -> None:
-        """Record a micro-batch's loss, and where it came from for the message if it is bad."""
-        self._losses.append((loss.detach(), (batch, batch_idx, step, epoch)))
+    def add_loss(self, loss: Tensor, batch: Any, batch_idx: int, *, step: int, epoch: int,
+                 what: str | None = None) -> None:
+        """Record a micro-batch's loss, and where it came from for the message if it is bad
+        (`what` went bad, when not the loss itself)."""
+        self._losses.append((loss.detach(), (batch, batch_idx, step, epoch, what)))
 
-    def check(self, optimizer: torch.optim.Optimizer, *, step: int) -> None:
+    def check(self, optimizer: torch.optim.Optimizer, *, step: int, scaled: bool = False
+              ) -> None:
         """Raise FloatingPointError when a recorded loss or a gradient of the optimiser's
-        parameters is NaN or infinite (for a deferred check: the previous step's, whose
-        update was skipped)."""
+        parameters is NaN or infinite, on this rank or (under DDP) another one; for a deferred
+        check, the previous step's, whose update was skipped. `scaled`: a GradScaler (16-mixed)
+        owns the gradients' finiteness (an overflow skips the step and lowers the scale), so
+        only the losses are checked."""
         self.flush()
         losses, self._losses = self._losses, []
         params = [p for group in optimizer.param_groups for p in group["params"]
@@ -89,11 +93,12 @@ class StepGuard:
         norms = _norms(grads) if grads else None  # (P,), kept to name a bad parameter
         self.grad_norm = None if norms is None else torch.linalg.vector_norm(norms)
         flags = [torch.isfinite(loss) for loss, _ in losses]
-        flags += [torch.isfinite(self.grad_norm)] if self.grad_norm is not None else []
+        flags += [torch.isfinite(self.grad_norm)] if self.grad_norm is not None and not scaled \
+            else []
         if not flags:
             return
         ok = _all_ranks(torch.stack(flags).all())
-        if deferred and norms is not None:  # fused Adam skips the update where found_inf != 0
+        if deferred and norms is not None and not scaled:  # fused Adam skips the update where found_inf != 0
             optimizer.found_inf = (~ok).float()  # type: ignore[attr-defined]
             host, ready = ok.view(1), None
             if ok.is_cuda:
@@ -118,12 +123,17 @@ class StepGuard:
             self._raise(pending.losses, pending.params, finite, pending.step)
 
     def clip(self, optimizer: torch.optim.Optimizer, value: float | None,
-             algorithm: str = "norm") -> None:
+             algorithm: str = "norm", *, scaled: bool = False) -> None:
         """Lightning's gradient clipping of the optimiser's parameters, done here: by norm
         with the norm `check` computed (as `torch.nn.utils.clip_grad_norm_`), or by value.
-        Lightning's own refuses a fused optimiser."""
+        Lightning's own refuses any fused optimiser under mixed precision; here only one that
+        a GradScaler leaves scaled (`scaled`), whose gradients are not yet the true ones."""
         if not value:
             return
+        if scaled and getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise RuntimeError("gradient clipping with a fused optimiser under 16-mixed would "
+                               "clip scaled gradients: set model.fused_adam: false, or use "
+                               "bf16-mixed")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if algorithm == "value":
             nn.utils.clip_grad_value_(params, value)
@@ -132,35 +142,47 @@ class StepGuard:
 
     def _raise(self, losses: list[tuple[Tensor, Any]], params: list[nn.Parameter],
                finite: list[bool], step: int) -> None:
-        for loss, (batch, batch_idx, at, epoch) in losses:
+        for loss, (batch, batch_idx, at, epoch, what) in losses:
             if not torch.isfinite(loss):
-                raise FloatingPointError(batch_message(f"training loss {loss.item()}", batch,
-                                                       batch_idx, step=at, epoch=epoch))
+                raise FloatingPointError(batch_message(what or f"training loss {loss.item()}",
+                                                       batch, batch_idx, step=at, epoch=epoch))
         names = {id(p): n for n, p in self._names()}
         first = next((names.get(id(p), "?") for p, ok in zip(params, finite) if not ok), None)
-        if first is None:  # this process's values are finite: another rank's were not
+        if first is None and _world_size() > 1:  # this rank's values are finite
             raise FloatingPointError(
                 f"a non-finite training loss or gradient on another process at global step "
                 f"{step}; stopping every process before the optimiser corrupts the weights")
+        where = f"first in {first}" if first else "each finite, their total overflowed"
         raise FloatingPointError(
-            f"non-finite gradient norm at global step {step} (first in {first}); stopping "
+            f"non-finite gradient norm at global step {step} ({where}); stopping "
             "before the optimiser corrupts the weights")
+
+
+def poisoned_loss(params: Iterable[nn.Parameter]) -> Tensor:
+    """A NaN loss that reaches every trainable parameter. A DDP rank whose forward pass failed
+    returns it: its backward joins the others' gradient all-reduce, and the guard's agreed
+    flag then stops every rank at this step, none left waiting in a collective."""
+    return sum(p.sum() for p in params if p.requires_grad) * float("nan")  # type: ignore[return-value]
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _all_ranks(ok: Tensor) -> Tensor:
     """`ok` on every rank of the default process group (its minimum), else as it is."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if _world_size() < 2:
         return ok
     flag = ok.to(torch.int32).view(1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return flag[0].bool()
 
 
 def _norms(grads: list[Tensor]) -> Tensor:
-    """Each gradient's L2 norm (P,), computed as `torch.nn.utils.get_total_norm` computes them
-    (one foreach kernel on CUDA, a norm per tensor elsewhere), so that their norm is its total
-    and clipping equals `clip_grad_norm_`'s."""
+    """Each gradient's L2 norm (P,), equal to those `torch.nn.utils.get_total_norm` reduces
+    (one foreach kernel on CUDA; a norm per tensor on the CPU, equal to the bit), so that their
+    norm is its total and clipping equals `clip_grad_norm_`'s."""
     if grads[0].is_cuda:
         return torch.stack(torch._foreach_norm(grads))
     return torch.stack([torch.linalg.vector_norm(g) for g in grads])

@@ -51,15 +51,22 @@ given on the command line win.
 `--against REV [REV ...]` adds the cached soft row once more per revision, run by the project's
 code at that git revision (exported with `git archive`; its benchmark.py must read the same
 worker spec), in the same interleaved rounds: a before and after on one machine in one run.
+On CUDA every row then syncs around each step, as revisions before the GPU-timeline timer did.
+
+On CUDA a step's time is its span on the GPU timeline (CUDA events, no sync per step: the
+previous step's end to its own, the wait before it included), and "data wait" is the share of
+that time the GPU itself waited between steps; the host's wait goes to --json (`host_wait`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -259,14 +266,14 @@ def _step_timer(spec: dict[str, Any]) -> Any:
 
     On the CPU each step is timed alone. On CUDA the host runs ahead of the GPU, as training
     does; a sync around each step would stop it preparing the next step while the GPU works.
-    There a CUDA event is recorded at each step's start, without a sync, and a step's time
-    (`periods`) is the GPU-timeline span from its start event to the next: the rate at which
-    steps go through, whether the host or the GPU bounds it. `waits` stay host times: the
-    loader's, the transfer's and, when the GPU bounds the run, the host's wait for the GPU's
-    queue. `gpu_waits` are what the GPU itself waited: the span from one step's end event to
-    the next step's start event (the batch's copy, the loader and the loop's host work between
-    steps), zero when the host is ahead. `sync_steps` syncs around every step instead (the
-    older measure)."""
+    There CUDA events are recorded at each step's start and end, without a sync. A step's
+    time (`periods`) is the GPU-timeline span from the previous step's end event to its own:
+    the rate at which steps go through, whether the host or the GPU bounds it. `gpu_waits`
+    are what the GPU itself waited before each step: from the previous end event to the
+    step's start event (the batch's copy, the loader and the loop's host work between steps),
+    zero when the host is ahead. `waits` stay host times, which count that host work whether
+    or not the GPU was busy meanwhile. `sync_steps` syncs around every step instead (the older
+    measure)."""
     import lightning.pytorch as L
     import torch
 
@@ -290,6 +297,12 @@ def _step_timer(spec: dict[str, Any]) -> Any:
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.last_end = time.perf_counter()  # the first wait, with no warm-up step
+            if not each and spec["warmup"] == 0:
+                self._record(self.end_events)
+
+        def _record(self, events: list[Any]) -> None:
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
 
         def _now(self) -> float:
             if cuda and each:
@@ -302,8 +315,7 @@ def _step_timer(spec: dict[str, Any]) -> Any:
             if self.i >= spec["warmup"]:
                 self.waits.append(self.t_start - self.last_end)
                 if not each:
-                    self.events.append(torch.cuda.Event(enable_timing=True))
-                    self.events[-1].record()
+                    self._record(self.events)
             if self.i == spec["warmup"] and cuda:
                 torch.cuda.reset_peak_memory_stats()
                 if self.sampler:
@@ -318,18 +330,19 @@ def _step_timer(spec: dict[str, Any]) -> Any:
                 self.steps.append(self.last_end - self.t_start)
                 self.words.append((batch.lengths - 1).clamp_min(0))  # read at the end: no sync
                 self.sizes.append(len(batch.lengths))
-            if not each and self.i >= spec["warmup"]:
-                self.end_events.append(torch.cuda.Event(enable_timing=True))
-                self.end_events[-1].record()
-            if not each and self.i == spec["warmup"] + spec["steps"] - 1:
-                self.end_events[-1].synchronize()
-                starts = [*self.events, self.end_events[-1]]  # the last period ends here
-                self.periods = [a.elapsed_time(b) / 1e3 for a, b in pairwise(starts)]
-                self.gpu_waits = [a.elapsed_time(b) / 1e3
-                                  for a, b in zip(self.end_events, starts[1:])]
+            if not each and self.i >= spec["warmup"] - 1:  # from the last warm-up step's end
+                self._record(self.end_events)
             self.i += 1
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if not each and len(self.end_events) > 1:  # the timed steps the run got through
+                self.end_events[-1].synchronize()
+                n = min(len(self.events), len(self.end_events) - 1)
+                ends = self.end_events[: n + 1]  # ends[k]: the end before timed step k
+                # A period is end to end, the wait before the step included (as host steps
+                # and waits are counted); the GPU's wait is the previous end to this start.
+                self.periods = [a.elapsed_time(b) / 1e3 for a, b in pairwise(ends)]
+                self.gpu_waits = [a.elapsed_time(b) / 1e3 for a, b in zip(ends, self.events)]
             if self.sampler:
                 self.utilisation = self.sampler.stop()
             for words in self.words:  # padded (B, T) step-rows and the real ones
@@ -659,7 +672,8 @@ def start_worker(spec: dict[str, Any], threads: int | None) -> subprocess.Popen[
         script = str(Path(spec["code"]) / "scripts" / "benchmark.py")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [spec["code"], env.get("PYTHONPATH")]))
     return subprocess.Popen([sys.executable, script, "--worker", json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own group: a timeout stops its ranks
 
 
 def export_revision(rev: str, dest: Path) -> Path:
@@ -675,10 +689,24 @@ def export_revision(rev: str, dest: Path) -> Path:
     return out
 
 
-def finish_worker(proc: subprocess.Popen[str], kind: str) -> dict[str, Any]:
+WORKER_TIMEOUT_S = 3600.0
+
+
+def finish_worker(proc: subprocess.Popen[str], kind: str,
+                  timeout: float = WORKER_TIMEOUT_S) -> dict[str, Any]:
     """The result of a `start_worker` process; RuntimeError (its stderr's tail logged) when
-    it gave none."""
-    stdout, stderr = proc.communicate()
+    it gave none, or when it ran past `timeout` seconds (a hung collective, say: then its
+    process group is killed)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException as e:  # the timeout, or Ctrl-C (which no longer reaches its group)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise RuntimeError(f"benchmark worker {kind} ran past {timeout:.0f} s; "
+                               "killed") from None
+        raise
     for line in stdout.splitlines():
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT):])
@@ -939,6 +967,8 @@ def main(argv: list[str] | None = None) -> int:
                          image_size=args.image_size, grid_size=args.grid_size, tiny=args.tiny,
                          channels_last=args.channels_last, steps=args.steps,
                          warmup=args.warmup, threads=args.threads)
+        if args.against and args.device.startswith("cuda"):
+            base["sync_steps"] = True  # older revisions sync around each step: time all alike
         weights = str(work / "cached_soft.pt")
         against = {rev: str(export_revision(rev, work)) for rev in args.against}
         results = run_training_rows(base, args, train_configs(args, weights, against))

@@ -121,7 +121,8 @@ def train_row(check: Check, stage: str, config: str, res: dict[str, Any] | list[
     rounds = res if isinstance(res, list) else [res]
     s = benchmark.summarize_train(rounds)
     rate = s["captions_per_s"] * world
-    util = rounds[0].get("gpu_util")
+    utils = [r["gpu_util"] for r in rounds if r.get("gpu_util") is not None]
+    util = sum(utils) / len(utils) if utils else None  # the rounds' mean
     if len(rounds) > 1:
         per = ", ".join(f"{x * world:.0f}" for x in s["per_round_captions_per_s"])
         notes = "; ".join(x for x in (notes, f"{len(rounds)} rounds (means {per})") if x)
@@ -149,24 +150,44 @@ def stage_train(check: Check) -> None:
                                 warmup=max(check.base["warmup"], 4))
 
     pair: dict[str, list[dict[str, Any]]] = {"off": [], mode: []}
-    for _ in range(check.rounds):
-        pair["off"].append(check.run(check.train_spec(*head, fast_path="off")))
-        pair[mode].append(check.run(fast_spec(*head)))
+    for _ in range(check.rounds):  # a failed round leaves the others' steps to pool
+        for path, spec in (("off", check.train_spec(*head, fast_path="off")),
+                           (mode, fast_spec(*head))):
+            res = row_or_failure(check, f"cached, {head[0]}, batch {head[1]}, fast_path {path}",
+                                 lambda spec=spec: check.run(spec))
+            pair[path] += [res] if res else []
     for precision in ("bf16-mixed", "32-true"):
         for batch in ((4, 8) if check.cpu else (64, 128)):
-            if check.fast_only and (precision, batch) != head:
+            if (check.fast_only and (precision, batch) != head) or \
+                    ((precision, batch) == head and not pair["off"]):  # every round failed
                 continue
-            res = pair["off"] if (precision, batch) == head else \
-                check.run(check.train_spec(precision, batch, fast_path="off"))
-            rate = train_row(check, "train", f"cached, {precision}, batch {batch}", res)
-            check.single[(precision, batch)] = rate
+            config = f"cached, {precision}, batch {batch}"
+            rate = row_or_failure(check, config, lambda p=precision, b=batch, c=config: train_row(
+                check, "train", c, pair["off"] if (p, b) == head else
+                check.run(check.train_spec(p, b, fast_path="off"))))
+            if rate:
+                check.single[(precision, batch)] = rate
     for precision, batch in fast_rows:
-        res = pair[mode] if (precision, batch) == head else check.run(fast_spec(precision, batch))
-        rate = train_row(check, "train", f"cached, {precision}, batch {batch}, fast_path {mode}",
-                         res)
+        if (precision, batch) == head and not pair[mode]:
+            continue
+        config = f"cached, {precision}, batch {batch}, fast_path {mode}"
+        rate = row_or_failure(check, config, lambda p=precision, b=batch, c=config: train_row(
+            check, "train", c, pair[mode] if (p, b) == head else check.run(fast_spec(p, b))))
         eager = check.single.get((precision, batch))
-        if eager:
+        if rate and eager:
             check.rows[-1]["notes"] = f"{rate / eager:.2f}x eager; " + check.rows[-1]["notes"]
+
+
+def row_or_failure(check: Check, config: str, fn: Callable[[], Any]) -> Any:
+    """`fn()`, or None after a FAILED row (and exit status 1): one row that runs out of memory
+    must not take the stage's other rows with it."""
+    try:
+        return fn()
+    except Exception as e:
+        log.exception("train row %s failed", config)
+        check.failed = True
+        check.add("train", config, "FAILED", notes=f"{type(e).__name__}: {str(e)[:200]}")
+        return None
 
 
 def stage_uncached(check: Check) -> None:
@@ -381,11 +402,15 @@ def start_gpu_tests() -> subprocess.Popen[str]:
 def finish_gpu_tests(check: Check, proc: subprocess.Popen[str]) -> None:
     out, _ = proc.communicate()
     counts = {k: 0 for k in ("passed", "failed", "skipped", "error")}
-    summary = out.strip().splitlines()[-1] if out.strip() else ""
+    summary = next((line for line in reversed(out.splitlines())  # what came after it aside
+                    if re.search(r"\b\d+ (passed|failed|skipped|errors?|deselected)\b.* in "
+                                 r"[\d.]+s", line)), "")
     for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary):
         counts[what.rstrip("s") if what.startswith("error") else what] += int(n)
     bad = counts["failed"] + counts["error"]
-    if bad or proc.returncode not in (0, 5):  # 5: nothing collected
+    # With CUDA, no test that ran is a failure too (all skipped, none collected: exit 5).
+    if bad or proc.returncode not in (0, 5) or not summary or (not check.cpu and (
+            counts["passed"] == 0 or proc.returncode == 5)):
         check.failed = True
         log.error("pytest -m gpu:\n%s", out[-4000:])
     check.add("gpu tests", "pytest -m gpu", f"{counts['passed']} passed, {bad} failed",

@@ -92,16 +92,20 @@ def _guarded_rank(rank: int, init_file: str, fused: bool, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}",
                                          rank=rank, world_size=2)
     try:
+        torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
+        before = [p.detach().clone() for p in model.parameters()]
         opt = torch.optim.Adam(model.parameters(), fused=fused or None)
         guard = StepGuard(model.named_parameters)
         model(torch.ones(1, 3)).sum().backward()
         guard.add_loss(torch.tensor(math.inf if rank == 0 else 1.0), None, 0, step=7, epoch=0)
         try:
             guard.check(opt, step=7)
-            guard.flush()  # the deferred check's flag
+            opt.step()  # fused: skipped on the device by the agreed flag
+            guard.flush()  # the deferred check's error
         except FloatingPointError as e:
-            Path(f"{out}.{rank}").write_text(str(e))
+            same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            Path(f"{out}.{rank}").write_text(f"{e!s}\nweights unchanged: {same}")
     finally:
         torch.distributed.destroy_process_group()
 
@@ -113,8 +117,47 @@ def test_a_bad_loss_on_one_rank_stops_every_rank(fused: bool, tmp_path: Path) ->
     out = str(tmp_path / "error")
     torch.multiprocessing.spawn(_guarded_rank, args=(str(tmp_path / "init"), fused, out),
                                 nprocs=2)
-    assert "training loss inf at global step 7" in Path(f"{out}.0").read_text()
-    assert "on another process at global step 7" in Path(f"{out}.1").read_text()
+    first, second = (Path(f"{out}.{rank}").read_text() for rank in (0, 1))
+    assert "training loss inf at global step 7" in first
+    assert "on another process at global step 7" in second
+    assert first.endswith("weights unchanged: True") and second.endswith("unchanged: True")
+
+
+def test_a_failed_forward_pass_still_reaches_every_parameter() -> None:
+    """The loss a DDP rank returns when its forward pass failed: NaN gradients for every
+    trainable parameter (so its backward joins the all-reduce and the check stops all ranks),
+    none for frozen ones."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    model[0].bias.requires_grad_(False)
+    from captioning.optim import poisoned_loss
+
+    poisoned_loss(model.parameters()).backward()
+    assert model[0].bias.grad is None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == 3 and all(bool(p.grad.isnan().all()) for p in trainable)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_grad_scaler_overflow_skips_the_step_and_training_goes_on(
+        fused: bool, shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path) -> None:
+    """16-mixed: a GradScaler's overflow is its own to handle (it skips the step and lowers the
+    scale), not a reason to stop the run. A fused optimiser's gradients are still scaled when
+    clipping would run, so clipping refuses them, as Lightning's own does."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    L.seed_everything(0)
+    dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
+    module = runs.make_module(dm)
+    module.hparams.fused_adam = fused
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)  # overflows on the first steps
+    trainer = runs.make_trainer(tmp_path / "ckpt", max_epochs=1, gradient_clip_val=1.0,
+                                plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    if fused:
+        with pytest.raises(RuntimeError, match="clip scaled gradients"):
+            trainer.fit(module, datamodule=dm)
+        return
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == runs.BATCHES and scaler.get_scale() < 2.0**120
 
 
 def test_an_interrupt_while_a_bad_step_is_pending_saves_nothing(
@@ -161,15 +204,16 @@ def test_clipping_reuses_the_checked_norm_and_equals_lightnings(
 
 def test_a_bad_loss_among_accumulated_batches_is_named(
         shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path) -> None:
-    """With gradient accumulation the first of the step's micro-batches is fine; the second
-    one's NaN loss is still caught before the optimiser step, and named."""
+    """With gradient accumulation the first of the step's micro-batches has a NaN loss and
+    the second is fine: the check before the optimiser step still catches it, and names the
+    first (a guard that kept only the latest loss would miss it)."""
     L.seed_everything(0)
     dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
     module = runs.make_module(dm)
-    breaker = runs.BreakAt("nan", batch=1)
+    breaker = runs.BreakAt("nan", batch=0)
     trainer = runs.make_trainer(tmp_path / "ckpt", breaker, max_epochs=1,
                                 accumulate_grad_batches=2)
-    with pytest.raises(FloatingPointError, match=r"training loss nan .*batch 1\)") as info:
+    with pytest.raises(FloatingPointError, match=r"training loss nan .*batch 0\)") as info:
         trainer.fit(module, datamodule=dm)
     assert repr(breaker.image_id) in str(info.value)
     runs.assert_same(runs.snapshot(module, trainer), breaker.before)

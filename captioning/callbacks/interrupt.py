@@ -166,10 +166,12 @@ def _zero_current(state: dict[str, Any]) -> None:
 
 
 def _current_last_checkpoint(trainer: L.Trainer) -> Path | None:
-    """The last checkpoint a `ModelCheckpoint` already wrote at the current step, if any."""
+    """The last checkpoint a `ModelCheckpoint` already wrote at the current step, if any. Every
+    DDP rank decides alike: from the callback's state, not from a file that only the nodes
+    sharing rank zero's disk can see."""
     for cb in _model_checkpoints(trainer):
         path = Path(cb.last_model_path) if cb.last_model_path else None
-        if (cb.save_last and path is not None and path.is_file()
+        if (cb.save_last and path is not None
                 and getattr(cb, "_last_global_step_saved", None) == trainer.global_step):
             return path
     return None
