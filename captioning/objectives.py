@@ -18,7 +18,7 @@ the objective, so they are saved in checkpoints and follow the module across dev
   fine-tuning stage after one of the above: the CIDEr-D of sampled captions as the reward.
 
 Baselines move only in training mode, and under DDP from the statistics of every rank's batch
-(summed with `all_reduce_sum`), so that all ranks keep the same baselines.
+(summed with `captioning.distributed.all_reduce`), so that all ranks keep the same baselines.
 
 A new REINFORCE estimator is one new class registered under a config value with `@register`;
 another hard-attention estimator is one class in `HARD_ESTIMATORS`.
@@ -34,6 +34,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
+from captioning.distributed import all_reduce
 from captioning.losses import (
     MovingAverageBaseline,
     TokenBaseline,
@@ -177,7 +178,7 @@ class Reinforce(MaximumLikelihood):
         every DDP rank; non-finite rewards are left out (a NaN must not poison b)."""
         r = reward.detach().float()
         keep = torch.isfinite(r) if rows is None else rows & torch.isfinite(r)
-        total, n = all_reduce_sum(torch.stack([r[keep].sum(), keep.sum().float()]))  # Σ R, n
+        total, n = all_reduce(torch.stack([r[keep].sum(), keep.sum().float()]))  # Σ R, n
         if n > 0:
             self.baseline.update(total / n)
 
@@ -330,17 +331,6 @@ class SelfCritical(Objective):
 HARD_ESTIMATORS: dict[str, type[Objective]] = {"gumbel": GumbelStraightThrough}
 
 
-def all_reduce_sum(stats: Tensor) -> Tensor:
-    """`stats` summed over the DDP ranks (a copy; `stats` itself outside torch.distributed):
-    the batch statistics that move a baseline, so that every rank keeps the same baseline."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return stats
-    stats = stats.clone()
-    dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-    return stats
-
-
 @torch.no_grad()
 def update_token_baseline(baseline: TokenBaseline, word_rewards: Tensor, targets: Tensor,
                           mask: Tensor) -> None:
@@ -351,7 +341,7 @@ def update_token_baseline(baseline: TokenBaseline, word_rewards: Tensor, targets
     stats = r.new_zeros(2, baseline.value.numel())  # (2, V): Σ reward and count per word
     stats[0].index_add_(0, targets[mask], r[mask])
     stats[1].index_add_(0, targets[mask], torch.ones_like(r[mask]))
-    sums, counts = all_reduce_sum(stats)
+    sums, counts = all_reduce(stats)
     words = (counts > 0).nonzero()[:, 0]  # (K,) words seen on some rank
     means = (sums[words] / counts[words]).unsqueeze(0)  # (1, K)
     baseline.update(means, words.unsqueeze(0), torch.ones_like(means, dtype=torch.bool))

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from captioning.distributed import all_reduce, is_distributed, world_size
+
 
 def build_adam(groups: list[dict[str, Any]], *, weight_decay: float, fused: bool,
                schedule: str, warmup_steps: int, total_steps: int) -> Any:
@@ -86,19 +88,23 @@ class StepGuard:
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None]
         grads = [p.grad for p in params]
-        # The groups say how Adam steps (a resumed checkpoint's groups win over the defaults).
-        deferred = bool(grads) and all(g.get("fused") for g in optimizer.param_groups)
+        # The groups say how Adam steps (a resumed checkpoint's groups win over the defaults);
+        # under a GradScaler the scaler hands a fused step its own flag.
+        deferred = not scaled and bool(grads) and all(g.get("fused")
+                                                      for g in optimizer.param_groups)
         if not deferred and hasattr(optimizer, "found_inf"):
             del optimizer.found_inf  # only a fused step takes the flag
         norms = _norms(grads) if grads else None  # (P,), kept to name a bad parameter
         self.grad_norm = None if norms is None else torch.linalg.vector_norm(norms)
         flags = [torch.isfinite(loss) for loss, _ in losses]
-        flags += [torch.isfinite(self.grad_norm)] if self.grad_norm is not None and not scaled \
-            else []
+        if self.grad_norm is not None and not scaled:
+            flags.append(torch.isfinite(self.grad_norm))
         if not flags:
             return
-        ok = _all_ranks(torch.stack(flags).all())
-        if deferred and norms is not None and not scaled:  # fused Adam skips the update where found_inf != 0
+        ok = torch.stack(flags).all()
+        if is_distributed():  # every DDP rank decides alike: the flag's minimum over the ranks
+            ok = all_reduce(ok.to(torch.int32).view(1), "min")[0].bool()
+        if deferred:  # fused Adam skips the update where found_inf != 0
             optimizer.found_inf = (~ok).float()  # type: ignore[attr-defined]
             host, ready = ok.view(1), None
             if ok.is_cuda:
@@ -148,7 +154,7 @@ class StepGuard:
                                                        batch, batch_idx, step=at, epoch=epoch))
         names = {id(p): n for n, p in self._names()}
         first = next((names.get(id(p), "?") for p, ok in zip(params, finite) if not ok), None)
-        if first is None and _world_size() > 1:  # this rank's values are finite
+        if first is None and world_size() > 1:  # this rank's values are finite
             raise FloatingPointError(
                 f"a non-finite training loss or gradient on another process at global step "
                 f"{step}; stopping every process before the optimiser corrupts the weights")
@@ -163,20 +169,6 @@ def poisoned_loss(params: Iterable[nn.Parameter]) -> Tensor:
     returns it: its backward joins the others' gradient all-reduce, and the guard's agreed
     flag then stops every rank at this step, none left waiting in a collective."""
     return sum(p.sum() for p in params if p.requires_grad) * float("nan")  # type: ignore[return-value]
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _all_ranks(ok: Tensor) -> Tensor:
-    """`ok` on every rank of the default process group (its minimum), else as it is."""
-    if _world_size() < 2:
-        return ok
-    flag = ok.to(torch.int32).view(1)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return flag[0].bool()
 
 
 def _norms(grads: list[Tensor]) -> Tensor:

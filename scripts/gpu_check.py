@@ -153,40 +153,41 @@ def stage_train(check: Check) -> None:
     for _ in range(check.rounds):  # a failed round leaves the others' steps to pool
         for path, spec in (("off", check.train_spec(*head, fast_path="off")),
                            (mode, fast_spec(*head))):
-            res = row_or_failure(check, f"cached, {head[0]}, batch {head[1]}, fast_path {path}",
-                                 lambda spec=spec: check.run(spec))
+            res = attempt(check, "train", f"cached, {head[0]}, batch {head[1]}, fast_path "
+                          f"{path}", lambda spec=spec: check.run(spec))
             pair[path] += [res] if res else []
     for precision in ("bf16-mixed", "32-true"):
         for batch in ((4, 8) if check.cpu else (64, 128)):
-            if (check.fast_only and (precision, batch) != head) or \
-                    ((precision, batch) == head and not pair["off"]):  # every round failed
+            if check.fast_only and (precision, batch) != head:
                 continue
             config = f"cached, {precision}, batch {batch}"
-            rate = row_or_failure(check, config, lambda p=precision, b=batch, c=config: train_row(
-                check, "train", c, pair["off"] if (p, b) == head else
-                check.run(check.train_spec(p, b, fast_path="off"))))
-            if rate:
-                check.single[(precision, batch)] = rate
+            spec = check.train_spec(precision, batch, fast_path="off")
+            res = pair["off"] if (precision, batch) == head else \
+                attempt(check, "train", config, lambda spec=spec: check.run(spec))
+            if res:  # else its FAILED row is in the table
+                check.single[(precision, batch)] = train_row(check, "train", config, res)
     for precision, batch in fast_rows:
-        if (precision, batch) == head and not pair[mode]:
-            continue
         config = f"cached, {precision}, batch {batch}, fast_path {mode}"
-        rate = row_or_failure(check, config, lambda p=precision, b=batch, c=config: train_row(
-            check, "train", c, pair[mode] if (p, b) == head else check.run(fast_spec(p, b))))
+        spec = fast_spec(precision, batch)
+        res = pair[mode] if (precision, batch) == head else \
+            attempt(check, "train", config, lambda spec=spec: check.run(spec))
+        if not res:
+            continue
+        rate = train_row(check, "train", config, res)
         eager = check.single.get((precision, batch))
-        if rate and eager:
+        if eager:
             check.rows[-1]["notes"] = f"{rate / eager:.2f}x eager; " + check.rows[-1]["notes"]
 
 
-def row_or_failure(check: Check, config: str, fn: Callable[[], Any]) -> Any:
-    """`fn()`, or None after a FAILED row (and exit status 1): one row that runs out of memory
-    must not take the stage's other rows with it."""
+def attempt(check: Check, stage: str, config: str, fn: Callable[[], Any]) -> Any:
+    """`fn()`, or None after a FAILED row (and exit status 1): one broken stage or row (out of
+    memory, say) must not hide the others' figures."""
     try:
         return fn()
     except Exception as e:
-        log.exception("train row %s failed", config)
+        log.exception("%s %s failed", stage, config)
         check.failed = True
-        check.add("train", config, "FAILED", notes=f"{type(e).__name__}: {str(e)[:200]}")
+        check.add(stage, config, "FAILED", notes=f"{type(e).__name__}: {str(e)[:200]}")
         return None
 
 
@@ -443,13 +444,7 @@ def run_stage(check: Check, name: str, fn: Callable[[], None]) -> bool:
     log.info("stage: %s", name)
     t0 = time.perf_counter()
     try:
-        fn()
-        return True
-    except Exception as e:  # one broken stage must not hide the others' figures
-        log.exception("stage %s failed", name)
-        check.failed = True
-        check.add(name, "", "FAILED", notes=f"{type(e).__name__}: {str(e)[:200]}")
-        return False
+        return attempt(check, name, "", lambda: fn() or True) is not None
     finally:
         check.seconds[name] = time.perf_counter() - t0
         log.info("stage %s: %.0f s", name, check.seconds[name])
