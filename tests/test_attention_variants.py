@@ -339,6 +339,7 @@ def test_old_checkpoints_read_as_the_additive_single_layer_network() -> None:
 # -- the reward form --------------------------------------------------------------------------------
 @pytest.mark.parametrize("advantage", ["sequence", "token", "expected"])
 def test_mean_reward_is_the_sum_per_word(advantage: str) -> None:
+    torch.manual_seed(12)
     model = captioner(attention="hard", semi_sampling_prob=0.0).train()
     b = batch(12)
     words = (b.lengths - 1).float()
@@ -364,6 +365,7 @@ def test_mean_reward_is_the_sum_per_word(advantage: str) -> None:
 
 
 def test_mean_reward_moves_the_baseline_by_the_per_word_mean() -> None:
+    torch.manual_seed(14)
     model = captioner(attention="hard", semi_sampling_prob=0.0).train()
     b = batch(14)
     objective = build_objective(attention="hard", vocab_size=V, reward="mean").train()
@@ -392,6 +394,7 @@ class FakeAllReduce:
 @pytest.mark.parametrize("advantage", ["sequence", "token"])
 def test_baselines_average_the_batch_statistics_of_every_rank(
         advantage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(16)
     model = captioner(attention="hard", semi_sampling_prob=0.0,  # every caption samples
                       hard_decode="sample").train()
     b = batch(16, B=3)

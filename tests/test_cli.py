@@ -103,11 +103,29 @@ def test_cli_ctrl_c_exits_130_naming_the_checkpoint(shapes_dm_kwargs: dict, cach
 
 
 @pytest.mark.parametrize("command", ["fit", "validate", "test"])
-def test_cli_loads_checkpoints_with_weights_only(command: str,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_loads_checkpoints_with_weights_only(
+        command: str, fitted: Path, shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every read of the checkpoint given to --ckpt_path (the CLI's own check and Lightning's
+    restore) is `torch.load(..., weights_only=True)`, the default the config shows."""
     with pytest.raises(SystemExit):
         main([command, "--print_config"])
     assert yaml.safe_load(capsys.readouterr().out)["weights_only"] is True
+    reads: list[Any] = []
+    load = torch.load
+
+    def spy(f: Any, *args: Any, **kwargs: Any) -> Any:
+        name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None) or \
+            getattr(f, "path", None)
+        if name is not None and Path(name).resolve() == fitted.resolve():
+            reads.append(kwargs.get("weights_only", "not given"))
+        return load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    # the fitted run's own config: fit resumes at the end of its only epoch, trains no more
+    cfg = cli_config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    assert main([command, "--config", str(cfg), "--ckpt_path", str(fitted)]) == 0
+    assert len(reads) >= 2 and all(w is True for w in reads), reads
 
 
 def test_cli_non_finite_loss_is_one_error_line(shapes_dm_kwargs: dict, cache_dir: Path,

@@ -390,20 +390,32 @@ def test_a_trained_checkpoint_exports_and_captions_alike(trained: Trained, tmp_p
 
 
 def test_lightning_test_takes_an_exported_folder(shapes_dm_kwargs: dict[str, Any],
-                                                 cache_dir: Path, tmp_path: Path) -> None:
+                                                 cache_dir: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """`captioning test --ckpt_path DIR` scores exactly as `--ckpt_path CKPT` does; `fit`
     refuses a folder (it holds no training state) in one line."""
-    from tiny_runs import cli_config
+    from tiny_runs import cli_config, error_lines
 
     ckpt_dir = tmp_path / "ckpt"
     cfg = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir)
     assert cli_main(["fit", "--config", str(cfg)]) == 0
-    assert export("--checkpoint", str(ckpt_dir / "last.ckpt"), "--out", str(tmp_path / "m")) == 0
-    captions = {}
-    for name, path in (("ckpt", ckpt_dir / "last.ckpt"), ("dir", tmp_path / "m")):
+    folder = tmp_path / "m"
+    assert export("--checkpoint", str(ckpt_dir / "last.ckpt"), "--out", str(folder)) == 0
+    captions, metrics = {}, {}
+    for name, path in (("ckpt", ckpt_dir / "last.ckpt"), ("dir", folder)):
         out = tmp_path / f"results-{name}"
         assert cli_main(["test", "--config", str(cfg), "--ckpt_path", str(path),
                      "--model.compute_metrics", "true", "--model.results_dir", str(out)]) == 0
         captions[name] = json.loads((out / "test_captions.json").read_text())
+        metrics[name] = json.loads((out / "test_metrics.json").read_text())
     assert captions["dir"] == captions["ckpt"] and captions["dir"]
-    assert cli_main(["fit", "--config", str(cfg), "--ckpt_path", str(tmp_path / "m")]) == 2
+    assert metrics["dir"] == metrics["ckpt"] and "CIDEr" in metrics["dir"]  # to the last digit
+    before = {p.name: p.read_bytes() for p in ckpt_dir.iterdir()}
+    capsys.readouterr()
+    assert cli_main(["fit", "--config", str(cfg), "--ckpt_path", str(folder)]) == 2
+    err = capsys.readouterr().err
+    [line] = error_lines(err)
+    assert line.startswith(f"error: --ckpt_path {folder}: an exported model folder has no "
+                           "training state to resume"), line
+    assert "Traceback" not in err  # and nothing trained or written
+    assert {p.name: p.read_bytes() for p in ckpt_dir.iterdir()} == before

@@ -5,14 +5,16 @@ line naming the file, or a wait) and that the earlier good state is intact."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +67,11 @@ except BaseException as e:
     sys.exit(status)
 """
 
-# Generates a shapes dataset at argv[1] (slowly: 0.2 s per PNG) once told to on stdin, then
-# builds its feature cache; prints the inodes of the dataset folder and of the cache.
+# Generates a shapes dataset at argv[1] once told to on stdin, then builds its feature cache;
+# prints the inodes of the dataset folder and of the cache. With argv[2] == "hold" it stops at
+# its first PNG (the dataset lock held), prints "holding" and goes on once stdin says so.
 RACE_CHILD = """
-import logging, os, sys, time
+import logging, os, sys, threading
 from pathlib import Path
 import torch
 from PIL import Image
@@ -77,11 +80,17 @@ from captioning.data.shapes import generate_shapes
 from captioning.data.transforms import build_image_transform
 from captioning.models.encoder import CNNEncoder
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-save = Image.Image.save
-def slow_save(self, *args, **kwargs):
-    time.sleep(0.2)
+save, first = Image.Image.save, threading.Lock()
+held = sys.argv[2] != "hold"
+def holding_save(self, *args, **kwargs):
+    global held
+    with first:  # other saving threads wait here until the test releases the first
+        if not held:
+            held = True
+            print("holding", flush=True)
+            sys.stdin.readline()
     return save(self, *args, **kwargs)
-Image.Image.save = slow_save
+Image.Image.save = holding_save
 print("ready", flush=True)
 sys.stdin.readline()
 root = generate_shapes(sys.argv[1], num_train=8, num_val=2, num_test=2, image_size=32)
@@ -270,33 +279,30 @@ def test_a_file_size_limit_during_the_build_is_one_line(
     np.testing.assert_array_equal(np.array(cache.array), good[1])
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 64 KiB tmpfs (needs root); skipped where one cannot be mounted."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-
-
 def test_a_full_disk_during_the_build_is_one_line(
-        small_tmpfs: Path, images: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
-    (small_tmpfs / "keep.txt").write_text("earlier good state\n")
+        tmp_path: Path, images: list[Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The disk fills up where the cache reserves its file (`posix_fallocate`, before any grid
+    is written): one line with the bytes needed, nothing half-written, the folder intact."""
+    folder = tmp_path / "features"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("earlier good state\n")
+    calls: list[tuple[str, int]] = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), length))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(CacheError) as caught:
-        _build(small_tmpfs, images)  # 24 grids of 4 × 512 float16: 98,432 bytes + header
+        _build(folder, images)  # 24 grids of 4 × 512 float16 (98,304 bytes) + 128 of header
+    [(reserved, length)] = calls  # the fault hit the cache's own temporary file
+    assert Path(reserved).parent == folder and reserved.endswith(".tmp") and length == 98_432
     assert exit_status(caught.value) == 1
     [line] = error_lines(capsys.readouterr().err)
-    assert f"98,432 bytes needed in {small_tmpfs}" in line and "No space left" in line
-    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["keep.txt"]  # nothing half-written
-    assert (small_tmpfs / "keep.txt").read_text() == "earlier good state\n"
+    assert f"98,432 bytes needed in {folder}" in line and "No space left on device" in line
+    assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]  # nothing half-written
+    assert (folder / "keep.txt").read_text() == "earlier good state\n"
 
 
 def test_kill_9_during_the_build_leaves_a_temporary_the_next_build_removes(
@@ -358,20 +364,42 @@ def test_cache_features_verify_and_prune(shapes_dm_kwargs: dict, tmp_path: Path,
 
 
 def test_two_runs_on_a_fresh_shapes_folder_share_one_dataset_and_cache(tmp_path: Path) -> None:
+    """The first run holds the dataset lock (stopped at its first PNG) until the second is
+    seen waiting for it; then both finish with the one dataset and the one cache."""
     root = tmp_path / "shapes"
-    first, second = (_child(RACE_CHILD, str(root), stdin=subprocess.PIPE) for _ in range(2))
-    for child in (first, second):
-        assert child.stdout.readline().strip() == "ready"
-    first.stdin.write("go\n")
-    first.stdin.flush()
-    _wait_for(lambda: list(tmp_path.glob("shapes.lock")), first)  # the first is generating
-    second.stdin.write("go\n")
-    second.stdin.flush()
-    results = [child.communicate(timeout=WAIT) for child in (first, second)]
-    assert [child.returncode for child in (first, second)] == [0, 0], results
-    (out_a, _), (out_b, err_b) = results
+    first, second = (_child(RACE_CHILD, str(root), how, stdin=subprocess.PIPE)
+                     for how in ("hold", "free"))
+    try:
+        for child in (first, second):
+            assert child.stdout.readline().strip() == "ready"
+        first.stdin.write("go\n")
+        first.stdin.flush()
+        assert first.stdout.readline().strip() == "holding"  # generating, the lock held
+        assert list(tmp_path.glob("shapes.lock"))
+        second.stdin.write("go\n")
+        second.stdin.close()
+        err_lines: list[str] = []
+
+        def read_err() -> None:
+            for ln in second.stderr:
+                err_lines.append(ln)
+
+        reader = threading.Thread(target=read_err, daemon=True)
+        reader.start()
+        waiting = f"waiting for the shapes dataset {root} (held by pid {first.pid})"
+        _wait_for(lambda: [ln for ln in list(err_lines) if waiting in ln], second)
+        out_a, err_a = first.communicate("release\n", timeout=WAIT)
+        second.wait(timeout=WAIT)
+        reader.join(timeout=WAIT)
+        out_b, err_b = second.stdout.read(), "".join(err_lines)
+    finally:
+        for child in (first, second):
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    assert [first.returncode, second.returncode] == [0, 0], (err_a, err_b)
     assert out_a.split()[-2:] == out_b.split()[-2:]  # one dataset folder, one cache file
-    assert f"waiting for the shapes dataset {root} (held by pid {first.pid})" in err_b
+    assert "generating shapes dataset" in err_a and "generating shapes dataset" not in err_b
     assert "shapes dataset generated by another process" in err_b
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes"]  # no temporaries, locks
     assert len(list((root / "features").glob("*.npy"))) == 1

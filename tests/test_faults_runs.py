@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -64,12 +63,10 @@ def test_bad_flags_and_values_are_one_line_before_any_work(
         flag: list[str], message: str, shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     cfg = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
-    start = time.monotonic()
     assert main(["fit", "--config", str(cfg), *flag]) == 2
     (line,) = error_lines(capsys.readouterr().err)
     assert message in line
-    assert not (tmp_path / "ckpt").exists()
-    assert time.monotonic() - start < 30  # refused at construction, not after an epoch
+    assert not (tmp_path / "ckpt").exists()  # refused at construction, before any work
 
 
 def test_data_root_that_is_a_file_is_one_line(shapes_dm_kwargs: dict, cache_dir: Path,
@@ -188,11 +185,14 @@ def test_sigterm_during_test_scoring_stops_it(shapes_dm_kwargs: dict, cache_dir:
         text=True)
     while (line := proc.stdout.readline()) and line.strip() != "scoring":
         pass
-    start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=90)
+    try:  # the stand-in scorer sleeps 120 s: a SIGTERM ignored until scoring ends times out
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("SIGTERM did not stop the scoring")
     assert proc.returncode == 143, err[-2000:]
-    assert time.monotonic() - start < 60
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("interrupted by SIGTERM")
     assert not (tmp_path / "results" / "test_metrics.json").exists()

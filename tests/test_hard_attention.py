@@ -22,7 +22,7 @@ from captioning.losses import (
     target_mask,
 )
 from captioning.models import AttentionLSTMDecoder, CaptionerConfig
-from captioning.models.attention import AdditiveAttention, select
+from captioning.models.attention import LOG_EPS, AdditiveAttention, select
 from captioning.models.decoder import Memory
 from captioning.models.decoding import beam_search, greedy_search
 from captioning.objectives import expected_word_log_likelihoods
@@ -453,9 +453,33 @@ def test_peaked_attention_gives_finite_log_probs_and_entropy() -> None:
     assert (sel.entropy >= 0).all()
     (sel.log_prob.sum() + sel.entropy.sum()).backward()
     assert torch.isfinite(scores.grad).all()
-    # log α is floored: log p(s) >= log(1e-8) even for a location of vanishing probability.
-    logp = torch.log(sel.alpha.clamp_min(1e-8))
-    assert logp.min() >= torch.log(torch.tensor(1e-8))
+
+
+@pytest.mark.parametrize("rule", ["gumbel", "sample"])
+def test_a_chosen_location_of_vanishing_probability_has_the_floored_log_prob(
+        rule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """log p(s_t) = log max(α, LOG_EPS): exactly log LOG_EPS where α underflowed to 0, the
+    plain log α elsewhere."""
+    scores = torch.tensor([[1e4, 0.0, 0.0], [0.0, 0.0, 0.0]], requires_grad=True)
+    chosen = torch.tensor([1, 2])  # row 0: α = exp(-1e4) = 0 in float32; row 1: α = 1/3
+    noise = None
+    if rule == "gumbel":  # noise large enough to make the chosen location the argmax
+        noise = torch.zeros(2, 3)
+        noise[0, 1] = noise[1, 2] = 1e5
+    else:
+        def multinomial(probs: Tensor, n: int) -> Tensor:
+            assert n == 1 and probs[0, 1] == 0  # a draw it would (almost) never make
+            return chosen.unsqueeze(1)
+
+        monkeypatch.setattr(torch, "multinomial", multinomial)
+    sel = select(scores, rule, noise=noise)  # type: ignore[arg-type]
+    assert torch.equal(sel.location, chosen) and sel.alpha[0, 1] == 0
+    assert sel.log_prob is not None
+    floor = torch.log(torch.tensor(LOG_EPS, dtype=torch.float32))
+    assert sel.log_prob[0] == floor  # not -inf: the floor
+    torch.testing.assert_close(sel.log_prob[1], torch.log(torch.tensor(1 / 3)))  # no floor
+    sel.log_prob.sum().backward()
+    assert torch.isfinite(scores.grad).all()
 
 
 @pytest.mark.parametrize("advantage", ["sequence", "token", "expected"])

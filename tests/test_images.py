@@ -68,13 +68,26 @@ def test_high_bit_depth_is_scaled_not_clipped(tmp_path: Path) -> None:
     ff = _save(tmp_path / "f.tif", Image.fromarray(np.array([[0, 0.5, 1.0]], dtype=np.float32)))
     assert Image.open(ff).mode == "F"
     assert [load_image(ff).getpixel((x, 0))[0] for x in range(3)] == [0, 128, 255]
-    # Modes Pillow may produce in memory convert too.
-    for mode in ("I;16B", "YCbCr", "LAB", "HSV", "RGBX", "PA"):
-        try:
-            im = Image.new(mode, (2, 2))
-        except ValueError:
-            continue
-        assert to_rgb(im).mode == "RGB"
+
+
+@pytest.mark.parametrize(("mode", "colour", "rgb"), [
+    ("I;16B", 32896, (128, 128, 128)),  # scaled from 16 bits, not clipped to white
+    ("YCbCr", (76, 85, 255), (254, 0, 0)),  # red
+    ("LAB", (255, 128, 128), (255, 255, 255)),  # white (Pillow's LAB conversion: within 2)
+    ("HSV", (0, 255, 255), (255, 0, 0)),  # red
+    ("RGBX", (10, 20, 30, 0), (10, 20, 30)),  # the padding byte dropped
+    ("PA", (0, 0), (255, 255, 255)),  # a red palette entry, fully transparent: the background
+])
+def test_in_memory_modes_convert_to_rgb(mode: str, colour: Any, rgb: tuple[int, int, int]
+                                        ) -> None:
+    """Modes Pillow may produce in memory (not all of them save to a file) convert too."""
+    im = Image.new(mode, (2, 2), colour)
+    if mode == "PA":
+        im.putpalette([255, 0, 0] * 256)
+    out = to_rgb(im)
+    assert out.mode == "RGB" and out.size == (2, 2)
+    assert all(abs(a - b) <= 2 for a, b in zip(out.getpixel((1, 1)), rgb, strict=True)), \
+        out.getpixel((1, 1))
 
 
 def test_exif_orientation_is_applied(tmp_path: Path) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
+from captioning.losses import caption_word_log_likelihoods, entropy_bonus, reinforce_loss
 from captioning.models import Captioner, CaptionerConfig
 from captioning.objectives import (
     ESTIMATORS,
@@ -64,10 +66,31 @@ def test_a_new_estimator_is_one_class_and_a_config_value(
         constant_estimator: type[Reinforce]) -> None:
     from captioning.lit_module import CaptioningModule
 
-    module = CaptioningModule(net=_captioner("hard").config, advantage="constant")
-    assert type(module.objective) is constant_estimator
-    parts = module.losses(_batch(), torch.randn(3, L, D))
-    assert torch.isfinite(parts["loss"]) and "reinforce" in parts
+    module = CaptioningModule(net=_captioner("hard").config, advantage="constant").train()
+    objective = module.objective
+    assert type(objective) is constant_estimator
+    outputs: list[Any] = []
+    module.captioner.decoder.register_forward_hook(lambda m, args, out: outputs.append(out))
+    torch.manual_seed(1)
+    batch = _batch()
+    parts = module.losses(batch, torch.randn(3, L, D))
+    [out] = outputs  # the one teacher-forced pass, its locations sampled
+    assert out.attn_log_probs is not None and out.attn_entropy is not None
+    assert out.sampled is not None and bool(out.sampled.all())  # semi_sampling_prob 0
+    word_ll, mask = caption_word_log_likelihoods(out.logits, batch.captions, batch.lengths)
+    reward = word_ll.sum(dim=1)
+    # the class's baseline (-3), not the moving average the default estimator would use
+    assert parts["advantage"].item() == pytest.approx((reward + 3.0).mean().item(), rel=1e-6)
+    rl = reinforce_loss(reward, out.attn_log_probs, mask, torch.tensor(-3.0),
+                        sampled=out.sampled)
+    torch.testing.assert_close(parts["reinforce"], rl)
+    moving = reinforce_loss(reward, out.attn_log_probs, mask, torch.tensor(0.0),
+                            sampled=out.sampled)
+    assert not torch.allclose(rl, moving)  # b_0 = 0 would have given another loss
+    entropy = entropy_bonus(out.attn_entropy, mask)
+    torch.testing.assert_close(parts["loss"], parts["nll"] + objective.doubly_stochastic *
+                               parts["doubly_stochastic"] + objective.reward_scale * rl -
+                               objective.entropy_weight * entropy)
 
 
 @pytest.mark.parametrize("advantage", ["sequence", "token"])

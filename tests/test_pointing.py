@@ -86,7 +86,7 @@ def test_pointing_batched_tensor_and_list_agree() -> None:
 
 
 def test_pointing_default_words_from_shapes_module() -> None:
-    shapes = pytest.importorskip("captioning.data.shapes")
+    from captioning.data import shapes  # the package's own module: never skipped
     colour, shape = shapes.COLORS[0], shapes.SHAPES[0]
     boxes = [[{"color": colour, "shape": shape, "bbox": [0.0, 0.0, 0.4, 0.4]}]]
     assert pointing_accuracy([[colour, shape]], [alpha_rows(1, 0)], GRID, boxes)[1:] == (1, 1)

@@ -314,3 +314,14 @@ def test_caption_text_output_with_several_captions(checkpoint: dict[str, Any], c
     assert [ln.split("\t")[0] for ln in lines] == [str(p) for p in checkpoint["images"]
                                                    for _ in range(2)]
     assert Path(lines[0].split("\t")[0]).exists()
+    # Best first: the beam's 2 best captions of each image in its order, the higher score first
+    # (the checkpoint ranks by the raw log-probability: length_penalty 0).
+    assert checkpoint["decode"].length_penalty == 0.0
+    records = run_caption(capsys, "--checkpoint", checkpoint["path"], "--json",
+                          "--num-captions", 2, *checkpoint["images"])
+    texts = [ln.split("\t")[1] for ln in lines]
+    assert texts == [c["caption"] for r in records for c in r["captions"]]
+    assert texts == expected(checkpoint, DecodeConfig(beam_size=3, max_len=6, num_captions=2))
+    for rec in records:
+        (best, second) = rec["captions"]
+        assert best["caption"] != second["caption"] and best["score"] > second["score"]
