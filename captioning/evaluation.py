@@ -56,7 +56,10 @@ def caption_words(gen: Generation, vocab: Vocabulary) -> tuple[list[list[str]], 
 
 def to_results(gen: Generation, vocab: Vocabulary, image_ids: list[Any],
                references: list[list[str]] | None = None) -> EvalResults:
-    """Decoded words, captions, α maps and scores per image id."""
+    """Decoded words, captions, α maps and scores per image id (one decoded row per image)."""
+    if gen.tokens.size(0) != len(image_ids):
+        raise ValueError(f"{gen.tokens.size(0)} decoded rows for {len(image_ids)} images: pass "
+                         "one caption per image (Generation.first_per_image)")
     res = EvalResults()
     words, texts = caption_words(gen, vocab)
     alphas = gen.alphas.float().cpu()

@@ -35,7 +35,7 @@ class CaptioningModule(L.LightningModule):
     `advantage` names the hard-attention REINFORCE estimator (`captioning.objectives.ESTIMATORS`),
     `reward` its reward: `sum` over the caption's words (the paper) or `mean` (capgen.py).
     `objective: scst`: SCST fine-tuning (`scst`), from `init_from`'s weights (the CLI loads them).
-    `fused_adam`: Adam's fused kernel; None: on CUDA, unless 16-mixed precision scales the loss.
+    `fused_adam`: Adam's fused kernel; None: on CPU or CUDA, unless 16-mixed scales the loss.
     With it the non-finite check costs no host sync (`captioning.optim.StepGuard`)."""
 
     def __init__(
@@ -217,8 +217,8 @@ class CaptioningModule(L.LightningModule):
         groups = [{"params": list(self.captioner.decoder.parameters()), "lr": hp.decoder_lr}]
         groups += [{"params": enc, "lr": hp.encoder_lr}] if enc else []
         fused = hp.fused_adam
-        if fused is None:  # on CUDA, unless a GradScaler (16-mixed) unscales before the step
-            fused = self.device.type == "cuda" and not self._scaled()
+        if fused is None:  # unless a GradScaler (16-mixed) unscales before the step
+            fused = self.device.type in ("cuda", "cpu") and not self._scaled()
         scheduled = hp.lr_schedule != "constant" or hp.warmup_steps > 0
         return build_adam(groups, weight_decay=hp.weight_decay, fused=fused,
                           schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
@@ -227,8 +227,9 @@ class CaptioningModule(L.LightningModule):
 
     # -- evaluation --------------------------------------------------------------------------
     def generate(self, images: Tensor) -> Generation:
-        """Decode with the model's `decode` settings: the path of val, test and overlays."""
-        return self.captioner.generate(images, self.decode)
+        """Decode with the model's `decode` settings, one caption per image (the best beam or
+        first sample when `decode.num_captions` > 1): the path of val, test, predict, overlays."""
+        return self.captioner.generate(images, self.decode).first_per_image()
 
     def _eval_step(self, batch: Any, prefix: str) -> None:
         features = self.captioner.encode(batch.images)

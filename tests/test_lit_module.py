@@ -304,3 +304,34 @@ def test_mismatched_vocabulary_or_config_is_named(fitted: Path, shapes_dm_kwargs
     with pytest.raises(CheckpointError, match="has no captioning model config"):
         trainer.validate(runs.make_module(dm, hidden_dim=16), datamodule=dm,
                          ckpt_path=str(tmp_path / "no_config.ckpt"), weights_only=True)
+
+
+def test_decoding_several_captions_keeps_each_image_its_own_best(tmp_path: Path) -> None:
+    """With `decode.num_captions` n > 1, validation, test, predict and overlays get one row per
+    image, its best beam: what decoding the image alone gives, never a neighbour's n-th beam."""
+    from captioning.evaluation import to_results
+    from captioning.models.captioner import CaptionerConfig, DecodeConfig
+    from captioning.vocab import SPECIALS, Vocabulary
+
+    torch.manual_seed(3)
+    net = CaptionerConfig(**{**runs.NET, "vocab_size": 9, "dropout": 0.0})
+    module = CaptioningModule(vocab_size=9, net=net, compute_metrics=False,
+                              decode=DecodeConfig(strategy="beam", beam_size=3, num_captions=2,
+                                                  max_len=6)).eval()
+    for p in module.captioner.decoder.parameters():  # spread the beams: distinct captions
+        p.data.normal_(0, 1.5)
+    feats = torch.randn(3, 4, 512)
+    vocab = Vocabulary([*SPECIALS, *(f"w{i}" for i in range(5))])
+    with torch.no_grad():
+        gen = module.generate(feats)
+        alone = [module.generate(feats[i:i + 1]) for i in range(3)]
+        both = module.captioner.generate(feats, module.decode)
+    assert gen.tokens.size(0) == 3 and both.tokens.size(0) == 6
+    res = to_results(gen, vocab, ["a", "b", "c"])
+    for i, image_id in enumerate("abc"):
+        assert res.hypotheses[image_id] == to_results(alone[i], vocab, [image_id]).hypotheses[
+            image_id]
+        assert res.scores[image_id] == pytest.approx(float(alone[i].scores[0]), rel=1e-5)
+    assert len({tuple(r) for r in both.tokens.tolist()}) > 3  # the beams did differ
+    with pytest.raises(ValueError, match="6 decoded rows for 3 images"):
+        to_results(both, vocab, ["a", "b", "c"])
