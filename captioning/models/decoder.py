@@ -254,7 +254,8 @@ class AttentionLSTMDecoder(nn.Module):
         return h, c, z_hat, sel
 
     def _output(self, emb: Tensor, h: Tensor, z_hat: Tensor) -> Tensor:
-        """Deep output: p(y_t) ∝ exp(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t)) (Eq. 7)."""
+        """Deep output: p(y_t) ∝ exp(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t)) (Eq. 7, as printed;
+        capgen.py puts a tanh on the sum before L_o)."""
         x = emb + self.out_h(self.dropout(h)) + self.out_z(z_hat)
         return self.out(self.dropout(x))
 
