@@ -23,6 +23,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from captioning.allocator import keep_freed_memory
 from captioning.commands.errors import exit_status
 from captioning.locks import sigterm_raises
 
@@ -128,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from_shell = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging()
+    keep_freed_memory()  # a training step's tensors reuse freed memory (captioning.allocator)
     try:
         return _run(argv, from_shell)
     except BaseException as e:

@@ -822,6 +822,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_as_worker(spec: dict[str, Any]) -> int:
     """`--worker SPEC`: run one worker, print its result (rank zero only, under DDP)."""
     logging.basicConfig(level=logging.WARNING)
+    from captioning.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the `captioning` command does
     if spec.get("threads"):
         import torch
 
