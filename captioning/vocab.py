@@ -31,6 +31,10 @@ class Vocabulary:
 
     def __init__(self, words: Sequence[str]) -> None:
         words = list(words)
+        bad = next((i for i, w in enumerate(words) if not isinstance(w, str)), None)
+        if bad is not None:
+            raise ValueError(f"vocabulary word {bad} (words[{bad}]) is not a string: "
+                             f"{words[bad]!r}")
         if tuple(words[: len(SPECIALS)]) != SPECIALS:
             raise ValueError(f"vocabulary must start with the specials {SPECIALS}, got {words[:4]}")
         if len(set(words)) != len(words):
@@ -98,7 +102,7 @@ class Vocabulary:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f"{path}: not valid JSON: {e}") from e
         try:
             return cls.from_dict(data)

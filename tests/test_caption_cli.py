@@ -280,3 +280,17 @@ def test_loader_does_not_import_heavy_packages(trained: Trained) -> None:
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == []
 
+
+
+def test_a_nul_byte_in_an_input_or_list_entry_is_one_line(tmp_path: Path) -> None:
+    from captioning.commands.predict import expand_predict_inputs
+
+    good = tmp_path / "ok.png"
+    Image.new("RGB", (8, 8)).save(good)
+    listing = tmp_path / "images.txt"
+    listing.write_bytes(b"ok.png\nbad\0name.png\n")
+    for inputs in (expand_inputs([str(good), "bad\0name.png"]),
+                   expand_predict_inputs([str(listing)])):
+        assert [p.name for p in inputs.paths] == ["ok.png"]
+        [problem] = inputs.problems
+        assert "bad\\x00name.png" in problem and "NUL byte" in problem and "\n" not in problem

@@ -419,3 +419,21 @@ def test_lightning_test_takes_an_exported_folder(shapes_dm_kwargs: dict[str, Any
                            "training state to resume"), line
     assert "Traceback" not in err  # and nothing trained or written
     assert {p.name: p.read_bytes() for p in ckpt_dir.iterdir()} == before
+
+
+def test_export_writes_only_its_own_temporaries_and_clears_stale_ones(
+        tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import safetensors.torch
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("save_file leaves a .tmpXXXX of its own when killed")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", refuse)
+    out = tmp_path / "model"
+    out.mkdir()
+    stale = out / f".{WEIGHTS_FILE}.999999999.0123abcd.tmp"  # of a killed export
+    stale.write_bytes(b"x" * 10)
+    Captioner.from_pretrained(tiny.folder).save_pretrained(out)
+    assert not stale.exists() and not [p for p in out.iterdir() if "tmp" in p.name]
+    assert_same(generate(Captioner.from_pretrained(out), tiny.images, DECODE),
+                generate(Captioner.from_pretrained(tiny.folder), tiny.images, DECODE))

@@ -201,6 +201,10 @@ FAULTS: dict[str, tuple[Callable[[Path], None], str]] = {
     "index_paths_rotated_and_rehashed": (
         lambda p: _edit_index(p, lambda m: _rotate(m, rehash=True)),
         "not the records' images in order"),
+    "index_blocks_emptied": (lambda p: _edit_index(p, lambda m: m.update(blocks=[])),
+                             "block hashes do not cover"),
+    "index_block_added": (lambda p: _edit_index(p, lambda m: m["blocks"].append("0" * 32)),
+                          "block hashes do not cover"),
     "random_4KiB": (lambda p: _overwrite(p, 40000, np.random.default_rng(0).bytes(4096)),
                     "differ from"),
 }
@@ -223,6 +227,16 @@ def test_a_damaged_cache_is_named_in_one_line_and_rebuilt(
     np.testing.assert_array_equal(np.array(cache.array), good[1])  # the good grids again
     assert FeatureCache.open(built.parent, built.stem, verify="full") is not None
     assert _leftovers(built.parent) == []
+
+
+def test_an_index_without_its_blocks_fails_in_lazy_mode_too(
+        built: Path, images: list[Path], signal_handlers_restored: None) -> None:
+    _edit_index(built, lambda m: m.update(blocks=[]))
+    with pytest.raises(CacheError, match="block hashes do not cover"):
+        FeatureCache.open(built.parent, built.stem, verify="lazy")
+    built.with_suffix(".json").write_text("[" * 100_000)  # too deep for the JSON parser
+    with pytest.raises(CacheError, match=r"\.json: unreadable"):
+        FeatureCache.open(built.parent, built.stem, verify="lazy")
 
 
 def test_a_damaged_block_in_lazy_mode_stops_at_its_first_read(
@@ -341,7 +355,7 @@ def test_cache_features_verify_and_prune(shapes_dm_kwargs: dict, tmp_path: Path,
     superseded = [folder / f"0123456789abcdef0123{s}" for s in (".npy", ".json")]
     for p, src in zip(superseded, (old.with_suffix(".npy"), old.with_suffix(".json"))):
         p.write_bytes(src.read_bytes())
-    junk = [folder / "tmpk3j2_x.npy.tmp", folder / ".abc.npy.999999999.0123abcd.tmp",
+    junk = [folder / "tmpk3j2_x.npy.tmp", folder / ".fedcba9876543210fedc.npy.999999999.0123abcd.tmp",
             folder / "0123456789abcdef0123.npy.lock", folder / "fedcba9876543210fedc.npy"]
     for p in junk:
         p.write_bytes(b"x" * 10)
@@ -361,6 +375,21 @@ def test_cache_features_verify_and_prune(shapes_dm_kwargs: dict, tmp_path: Path,
     assert main(["cache-features", "--config", cfg, "--verify"]) == 1
     [bad] = [r.getMessage() for r in caplog.records if ": bad: " in r.getMessage()]
     assert bad.startswith(f"train: bad: feature cache {train}: 1 of ") and "\n" not in bad
+
+
+def test_prune_deletes_only_the_caches_own_files(tmp_path: Path) -> None:
+    from captioning.commands.cache_features import prunable
+
+    others = ["dataset_shapes.json", "vocab.json", "notes.npy", "abc.json.lock",
+              ".vocab.json.999999999.0123abcd.tmp", "0123456789abcdef012.npy"]
+    for name in others:
+        (tmp_path / name).write_text("{}")
+    cache = ["0123456789abcdef0123.npy", "0123456789abcdef0123.json",
+             "0123456789abcdef0123.npy.lock",
+             ".0123456789abcdef0123.json.999999999.0123abcd.tmp"]
+    for name in cache:
+        (tmp_path / name).write_text("{}")
+    assert sorted(p.name for p in prunable(tmp_path, set())) == sorted(cache)
 
 
 def test_two_runs_on_a_fresh_shapes_folder_share_one_dataset_and_cache(tmp_path: Path) -> None:

@@ -171,3 +171,60 @@ def test_rgba_palette_and_jpeg_draft(tmp_path: Path) -> None:
     small = load_image(f, min_side=50)
     assert min(small.size) >= 50 and small.size[0] < 400  # decoded at a reduced scale
     assert load_image(f).size == (400, 240)
+
+
+def _png_with_bad_zlib(path: Path) -> Path:
+    """A PNG whose IDAT data is corrupt but whose chunk CRCs are valid."""
+    import struct
+    import zlib
+
+    data = bytearray(_save(path, Image.effect_noise((32, 32), 40).convert("RGB")).read_bytes())
+    at = data.index(b"IDAT")
+    length = struct.unpack(">I", data[at - 4:at])[0]
+    for i in range(at + 4 + 2, at + 4 + length):  # past the zlib header
+        data[i] = 0xFF
+    data[at + 4 + length:at + 8 + length] = struct.pack(
+        ">I", zlib.crc32(bytes(data[at:at + 4 + length])))
+    path.write_bytes(bytes(data))
+    return path
+
+
+class _Images(torch.utils.data.Dataset):
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(load_image(self.paths[i])).copy())
+
+
+def test_a_bad_image_in_a_dataloader_worker_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from captioning.commands.errors import exit_status
+
+    f = _png_with_bad_zlib(tmp_path / "z.png")
+    check_image(f)  # passes: only the decode finds the fault
+    loader = torch.utils.data.DataLoader(_Images([f]), num_workers=1)
+    with pytest.raises(ImageLoadError) as info:
+        next(iter(loader))
+    assert info.value.path == f and str(info.value) == f"{f}: {info.value.reason}"
+    assert exit_status(info.value) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {f}: ") and "Traceback" not in line
+
+
+def test_a_nul_byte_in_a_path_is_an_image_load_error(tmp_path: Path) -> None:
+    f = tmp_path / "a\0b.png"
+    for fn in (load_image, check_image):
+        with pytest.raises(ImageLoadError, match="not a usable file name") as info:
+            fn(f)
+        assert info.value.path == f
+
+
+def test_a_jpeg_with_trailing_data_is_valid(tmp_path: Path) -> None:
+    f = _save(tmp_path / "t.jpg", Image.effect_noise((64, 64), 50).convert("RGB"))
+    f.write_bytes(f.read_bytes() + b"\0" * 4096)  # e.g. a camera's appended data
+    assert check_image(f) == (64, 64)
+    assert load_image(f).size == (64, 64)

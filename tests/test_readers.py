@@ -101,6 +101,8 @@ def _caption(value: Any) -> Callable[[dict], None]:
     (_set("filepath", ["x"]), "filepath", "string"),
     (_set("split", "dev"), "split", "unknown split 'dev'"),
     (_drop("split"), "split", "missing"),
+    (_set("split", ["train"]), "split", "expected a string, got list"),
+    (_set("split", {"a": 1}), "split", "expected a string, got dict"),
     (_set("sentences", "a cat"), "sentences", "expected a list"),
     (_set("cocoid", 11), "cocoid", "duplicate image id (first at images[0])"),
     (_set("cocoid", 1.5), "cocoid", "expected an int"),
@@ -189,3 +191,17 @@ def test_skip_policy_drops_and_counts(tmp_path: Path, write_karpathy: Callable) 
                                   "'", "x'y", "123", "\u212a"])
 def test_fast_token_check_matches_tokenize(text: str) -> None:
     assert has_tokens(text) == bool(tokenize(text))
+
+
+def test_deeply_nested_json_is_a_data_error_naming_the_file(tmp_path: Path) -> None:
+    from captioning.data.tables import read_captions_table
+
+    f = tmp_path / "dataset_coco.json"
+    f.write_text('{"images": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(DataError, match=r"dataset_coco\.json: .*nested too deeply"):
+        read_karpathy(f, tmp_path)
+    table = tmp_path / "captions.jsonl"
+    table.write_text('{"image": "a.png", "caption": "a cat"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(DataError) as info:
+        read_captions_table(table, tmp_path)
+    assert str(info.value) == f"{table}: line 2: field '(json)': JSON nested too deeply to read"

@@ -15,6 +15,7 @@ from conftest import SHAPES_PARAMS, shapes_cli_args, shapes_source
 
 from captioning.data import sources
 from captioning.data.datamodule import CaptionDataModule
+from captioning.data.readers import DataError
 from captioning.data.shapes import (
     COLORS,
     SHAPES,
@@ -294,13 +295,36 @@ def test_grounding_reads_the_boxes_file_once(dm: CaptionDataModule,
     assert len(reads) == 1
 
 
-def test_a_bad_boxes_file_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("entry", "field", "words"), [
+    ({"objects": [], "image_id": 1, "height": 9}, "width", "missing"),
+    ({"objects": [], "image_id": 1, "width": 9}, "height", "missing"),
+    ({"objects": [{"shape": "circle", "bbox": [0, 0, 1, 1]}], "image_id": 1, "width": 9,
+      "height": 9}, "objects[0].color", "missing"),
+    ({"objects": [{"color": "red", "shape": "circle", "bbox": [0, 1]}], "image_id": 1,
+      "width": 9, "height": 9}, "objects[0].bbox", "expected [x, y, w, h]"),
+    ({"image_id": 1, "width": 9, "height": 9}, "objects", "missing"),
+])
+def test_a_bad_boxes_file_is_named(tmp_path: Path, entry: dict, field: str, words: str) -> None:
     path = tmp_path / "boxes.json"
-    path.write_text('{"images": [{"objects": []}]}')
-    with pytest.raises(ValueError, match=r"boxes\.json: not a valid boxes file"):
+    path.write_text(json.dumps({"images": [entry]}))
+    with pytest.raises(DataError) as info:
         ObjectBoxes.load(path)
-    with pytest.raises(ValueError, match="not a valid boxes file"):
+    assert str(info.value).startswith(f"{path}: images[0]: field '{field}': {words}")
+    with pytest.raises(DataError, match=r"missing\.json: \(file\): field '\(file\)': file does"):
         ObjectBoxes.load(tmp_path / "missing.json")
+
+
+def test_a_bad_boxes_path_fails_at_setup(tmp_path: Path, shapes_root: Path) -> None:
+    path = tmp_path / "boxes.json"
+    path.write_text(json.dumps({"images": [{"image_id": 0, "objects": []}]}))
+    dm = CaptionDataModule(source=ShapesSource(root=str(shapes_root), boxes_path=str(path),
+                                               **SHAPES_PARAMS))
+    with pytest.raises(DataError, match=r"boxes\.json: images\[0\]: field 'width': missing"):
+        dm.setup("fit")
+    missing = CaptionDataModule(source=ShapesSource(
+        root=str(shapes_root), boxes_path=str(tmp_path / "nope.json"), **SHAPES_PARAMS))
+    with pytest.raises(DataError, match=r"nope\.json: .*file does not exist"):
+        missing.setup("fit")
 
 
 def test_shapes_grounding_generates_the_dataset(tmp_path: Path) -> None:

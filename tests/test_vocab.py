@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import pytest
 
 from captioning.vocab import Vocabulary, tokenize
 
@@ -20,3 +23,13 @@ def test_vocabulary_round_trip(tmp_path: Path) -> None:
     assert Vocabulary.load(tmp_path / "v.json") == vocab
     assert Vocabulary.build(caps, min_count=2).itos[4:] == ["a", "dog", "sits"]
     assert len(Vocabulary.build(caps, max_size=6)) == 6
+
+
+@pytest.mark.parametrize("word", [["x"], 3, None])
+def test_a_non_string_word_is_a_clear_error(tmp_path: Path, word: object) -> None:
+    f = tmp_path / "vocab.json"
+    f.write_text(json.dumps({"words": ["<pad>", "<start>", "<end>", "<unk>", "a", word]}))
+    with pytest.raises(ValueError) as info:
+        Vocabulary.load(f)
+    msg = str(info.value)
+    assert msg.startswith(f"{f}: vocabulary word 5 (words[5]) is not a string") and "\n" not in msg

@@ -19,6 +19,7 @@ each one is.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -111,18 +112,24 @@ def prunable(cache_dir: Path, keep: set[str]) -> list[Path]:
     return [p for p in sorted(cache_dir.iterdir()) if p.is_file() and _superseded(p, keep)]
 
 
+#: The file names of a cache's own files: `KEY.npy` and `KEY.json` (`features.cache_files`).
+CACHE_NAME_RE = re.compile(r"^[0-9a-f]{20}\.(npy|json)$")
+
+
 def _superseded(p: Path, keep: set[str]) -> bool:
+    """Whether `p` is a cache file, lock or temporary that `--prune` deletes; any other file
+    in the folder (a dataset's own JSON, a vocabulary, a user's file) is never touched."""
     from captioning.atomic import TEMP_RE, pid_alive
     from captioning.locks import lock_held
 
     temp = TEMP_RE.match(p.name)
     if temp:
-        return not pid_alive(int(temp["pid"]))
+        return bool(CACHE_NAME_RE.match(temp["name"])) and not pid_alive(int(temp["pid"]))
     if p.name.startswith("tmp") and p.name.endswith(".npy.tmp"):  # before PIDs in names
         return True
     if p.suffix == ".lock":
-        return not lock_held(p.with_suffix(""))
-    if p.suffix not in (".npy", ".json") or lock_held(p.with_suffix(".npy")):
+        return bool(CACHE_NAME_RE.match(p.stem)) and not lock_held(p.with_suffix(""))
+    if not CACHE_NAME_RE.match(p.name) or lock_held(p.with_suffix(".npy")):
         return False
     return p.stem not in keep or not p.with_suffix(".json").exists()
 

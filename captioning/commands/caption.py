@@ -75,7 +75,9 @@ def expand_inputs(args: Sequence[str]) -> Inputs:
 
     for arg in args:
         p = Path(arg)
-        if p.is_dir():
+        if "\0" in arg:  # the OS cannot name such a file: one line, not a ValueError
+            problems.append(f"{arg!r}: not a usable path (it contains a NUL byte)")
+        elif p.is_dir():
             if add_dir(p) == 0:
                 problems.append(f"{arg}: directory has no images "
                                 f"({', '.join(sorted(IMAGE_EXTENSIONS))})")

@@ -300,6 +300,7 @@ class CaptionDataModule(L.LightningDataModule):
         bad = [p for split in splits for p in self._check_images(split, raise_now=False)]
         if bad:  # the bad images of every split of the stage, before any step runs
             raise DataError(bad)
+        self.grounding  # noqa: B018 -- loads and checks the boxes file before any step runs
         for split in splits:
             if split not in self._datasets:
                 records = self.records(split)

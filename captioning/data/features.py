@@ -130,6 +130,10 @@ def check_cache(meta: dict[str, Any], array_path: Path, *, hashes: bool,
     if [shape, dtype, offset] != [meta["shape"], meta["dtype"], meta["offset"]]:
         return (f"the .npy header says shape {tuple(shape)} {dtype} at byte {offset}, the index "
                 f"{tuple(meta['shape'])} {meta['dtype']} at byte {meta['offset']}")
+    n, blocks = meta["block_rows"], meta["blocks"]  # one hash per block: ceil(rows / n)
+    if not (type(n) is int and n > 0 and isinstance(blocks, list)
+            and len(blocks) == math.ceil(shape[0] / n)):
+        return f"the index's block hashes do not cover its {shape[0]} rows ({n!r} a block)"
     if len(meta["paths"]) != shape[0] or keys_digest(meta["paths"]) != meta["paths_hash"]:
         return "the index's image keys do not match their hash (edited or reordered)"
     if paths is not None and list(paths) != meta["paths"]:
@@ -164,7 +168,7 @@ def read_index(index_path: Path) -> dict[str, Any] | None:
         meta = json.loads(index_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CacheError(f"feature cache index {index_path}: unreadable ({e})") from None
     if not isinstance(meta, dict) or meta.get("version") != CACHE_VERSION or \
             not all(k in meta for k in _INDEX_KEYS):

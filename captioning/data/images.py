@@ -31,7 +31,11 @@ _SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
 class ImageLoadError(ValueError):
     """An image file could not be read; the message names the file and the reason."""
 
-    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+    def __init__(self, path: str | os.PathLike[str], reason: str | None = None) -> None:
+        if reason is None:  # from a DataLoader worker: torch re-raises `ImageLoadError(text)`
+            text = str(path).strip()
+            line = text.splitlines()[-1].split("ImageLoadError: ", 1)[-1] if text else text
+            path, _, reason = line.partition(": ")
         self.path = Path(path)
         self.reason = reason
         super().__init__(f"{self.path}: {reason}")
@@ -65,6 +69,8 @@ def _precheck(path: Path) -> None:
         raise ImageLoadError(path, "file does not exist") from None
     except OSError as e:
         raise ImageLoadError(path, f"cannot access file ({e.strerror or e})") from e
+    except ValueError as e:  # "embedded null byte": no file can have this name
+        raise ImageLoadError(path, f"not a usable file name ({e})") from None
     if path.is_dir():
         raise ImageLoadError(path, "is a directory, not an image file")
     if st.st_size == 0:
@@ -201,7 +207,8 @@ def check_image(path: str | os.PathLike[str]) -> tuple[int, int]:
     """Validate an image file cheaply and return its (width, height) after EXIF orientation.
 
     Reads the header, runs `Image.verify` (PNG: chunk CRCs; others: structure) and, for JPEG,
-    checks for the end-of-image marker; no pixel data is decoded. Raises `ImageLoadError`.
+    checks for the end-of-image marker; no pixel data is decoded unless a JPEG's marker is not
+    near its end (a fully decoded JPEG with trailing data passes). Raises `ImageLoadError`.
     """
     path = Path(path)
     _precheck(path)
@@ -218,5 +225,5 @@ def check_image(path: str | os.PathLike[str]) -> tuple[int, int]:
             raise ImageLoadError(path, f"image has no pixels ({w}x{h})")
         raise _too_large(path, f"{w}x{h} = {w * h} pixels > limit {max_pixels()}")
     if fmt == "JPEG" and not _jpeg_has_end_marker(path):
-        raise ImageLoadError(path, "truncated image file (JPEG end-of-image marker missing)")
+        load_image(path)  # trailing data after the end marker is valid: decode to be sure
     return (h, w) if orientation in _SWAPPING_ORIENTATIONS else (w, h)

@@ -154,6 +154,9 @@ def _load_json(file: Path, object_hook: Callable[[dict], Any] | None = None) -> 
     except UnicodeDecodeError as e:
         raise DataError([Problem(str(file), f"byte {e.start}", "(encoding)",
                                  f"not UTF-8 text: {e.reason}")]) from e
+    except RecursionError:
+        raise DataError([Problem(str(file), top, "(json)",
+                                 "JSON nested too deeply to read")]) from None
 
 
 def _top_list(data: Any, file: Path, key: str) -> list:
@@ -245,7 +248,9 @@ def _karpathy_image(report: Report, i: int, item: dict, seen: dict[Any, int], *,
     if not isinstance(filepath, str):
         report.add(entry, "filepath", f"expected a string, got {type_name(filepath)}")
     split = item.get("split")
-    if split not in _SPLIT_NAMES:
+    if "split" in item and not isinstance(split, str):
+        report.add(entry, "split", f"expected a string, got {type_name(split)}")
+    elif split not in _SPLIT_NAMES:
         report.add(entry, "split", "missing" if "split" not in item else
                    f"unknown split {split!r} (expected one of {SPLITS})")
     sentences = item.get("sentences")

@@ -28,7 +28,7 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,12 +36,14 @@ from typing import Any
 import numpy as np
 
 from captioning.data.readers import (
+    DataError,
     ImageRecord,
     OnError,
     Problem,
     Records,
     read_coco_captions,
     read_karpathy,
+    type_name,
 )
 from captioning.data.shapes import (
     BOXES_FILE,
@@ -86,16 +88,24 @@ class ObjectBoxes:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ObjectBoxes:
-        """Read a boxes.json ({"images": [{"image_id", "width", "height", "objects"}, ...]})."""
+        """Read a boxes.json ({"images": [{"image_id", "width", "height", "objects"}, ...]});
+        a `DataError` naming the file, the entry and the field when it is not one."""
         path = Path(path)
         try:
-            entries = json.loads(path.read_text(encoding="utf-8"))["images"]
-            table = {e["image_id"]: list(e["objects"]) for e in entries}
-            sizes = {e["image_id"]: (int(e["width"]), int(e["height"])) for e in entries
-                     if "width" in e and "height" in e}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: not a valid boxes file ({type(e).__name__}: {e})") from e
-        return cls(table, sizes, path=path)
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise DataError([Problem(str(path), "(file)", "(file)", "file does not exist")]
+                            ) from None
+        except (OSError, ValueError, RecursionError) as e:
+            raise DataError([Problem(str(path), "(file)", "(json)",
+                                     f"not a valid boxes file ({type(e).__name__}: {e})")]
+                            ) from None
+        problems = list(_boxes_problems(str(path), data))
+        if problems:
+            raise DataError(problems)
+        entries = data["images"]
+        return cls({e["image_id"]: list(e["objects"]) for e in entries},
+                   {e["image_id"]: (e["width"], e["height"]) for e in entries}, path=path)
 
     @property
     def ids(self) -> tuple[Any, ...]:
@@ -125,6 +135,52 @@ class ObjectBoxes:
             out.append([{**o, "bbox": list(boxes_to_crop_coords(o["bbox"], w, h, size=size))}
                         for o in self.table[i]])
         return out
+
+
+def _boxes_problems(file: str, data: Any) -> Iterator[Problem]:
+    """The problems of a parsed boxes.json (`ObjectBoxes.load`)."""
+    images = data.get("images") if isinstance(data, dict) else None
+    if not isinstance(images, list):
+        yield Problem(file, "(file)", "images", "expected an object with a list 'images'")
+        return
+    for i, e in enumerate(images):
+        entry = f"images[{i}]"
+        if not isinstance(e, dict):
+            yield Problem(file, entry, "(entry)", f"expected an object, got {type_name(e)}")
+            continue
+        if not isinstance(e.get("image_id"), (int, str)) or isinstance(e["image_id"], bool):
+            yield Problem(file, entry, "image_id", "missing" if "image_id" not in e else
+                          f"expected an int or string, got {type_name(e['image_id'])}")
+        for key in ("width", "height"):
+            if not _positive_int(e.get(key)):
+                yield Problem(file, entry, key, "missing" if key not in e else
+                              f"expected a positive int, got {e[key]!r}")
+        objects = e.get("objects")
+        if not isinstance(objects, list):
+            yield Problem(file, entry, "objects", "missing" if "objects" not in e else
+                          f"expected a list, got {type_name(objects)}")
+            continue
+        for j, o in enumerate(objects):
+            yield from _object_problems(file, entry, f"objects[{j}]", o)
+
+
+def _object_problems(file: str, entry: str, where: str, o: Any) -> Iterator[Problem]:
+    if not isinstance(o, dict):
+        yield Problem(file, entry, where, f"expected an object, got {type_name(o)}")
+        return
+    for key in ("color", "shape"):
+        if not isinstance(o.get(key), str):
+            yield Problem(file, entry, f"{where}.{key}", "missing" if key not in o else
+                          f"expected a string, got {type_name(o[key])}")
+    box = o.get("bbox")
+    if not (isinstance(box, list) and len(box) == 4 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)):
+        yield Problem(file, entry, f"{where}.bbox", "missing" if "bbox" not in o else
+                      f"expected [x, y, w, h] numbers, got {box!r}")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,6 +84,9 @@ def _jsonl_rows(f: IO[str]) -> Iterator[Row]:
         except json.JSONDecodeError as e:
             yield n, None, ("(json)", f"malformed JSON: {e.msg} (column {e.colno})")
             continue
+        except RecursionError:
+            yield n, None, ("(json)", "JSON nested too deeply to read")
+            continue
         if not isinstance(row, dict):
             yield n, None, ("(entry)", f"expected a JSON object, got {type_name(row)}")
         else:

@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar
 
 from torch import Tensor, nn
 
-from captioning.atomic import fsync_dir, write_atomic
+from captioning.atomic import fsync_dir, remove_stale_temporaries, write_atomic
 from captioning.vocab import Vocabulary
 
 FORMAT = "captioning-pretrained"
@@ -193,17 +193,18 @@ def write_model_folder(path: str | os.PathLike[str], *, state: Mapping[str, Tens
     config.json goes first (removed) and last (written), so that an interrupted write never
     leaves a folder `is_pretrained_dir` takes for complete.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path}: exists and is not a folder")
     path.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)  # of a killed export: only our own temporaries are written
     (path / CONFIG_FILE).unlink(missing_ok=True)
     fsync_dir(path)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    write_atomic(path / WEIGHTS_FILE,
-                  lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    weights = save(tensors, metadata={"format": "pt"})  # bytes: no temporary of safetensors'
+    write_atomic(path / WEIGHTS_FILE, lambda tmp: tmp.write_bytes(weights))
     write_atomic(path / VOCAB_FILE, vocab.save)
     write_atomic(path / CARD_FILE, lambda tmp: tmp.write_text(card, encoding="utf-8"))
     config = {"format": FORMAT, "format_version": FORMAT_VERSION,
