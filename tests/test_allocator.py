@@ -37,13 +37,12 @@ def _faults_per_step(mode: str) -> tuple[bool, float]:
 
 @pytest.mark.skipif(not keep_freed_memory(), reason="the C library is not glibc")
 def test_freed_tensor_memory_is_reused_without_page_faults() -> None:
-    """By default glibc maps each 12.8 MB block anew: every step page-faults all 18 blocks in
-    again (18 × 3,136 pages). With the policy the blocks come back from the heap."""
-    applied_off, default = _faults_per_step("off")
+    """By default glibc may map each 12.8 MB block anew, and page-fault all 18 blocks in again
+    every step (18 × 3,136 pages; how often depends on its dynamic threshold, so the default
+    is not asserted). With the policy the blocks come back from the heap."""
     applied_on, kept = _faults_per_step("on")
-    assert not applied_off and applied_on
-    assert default > 9 * 3136
-    assert kept < 3136  # less than one block's pages a step
+    assert applied_on
+    assert kept < 3136  # less than one block's pages a step (without it: up to 18 blocks')
 
 
 def test_the_policy_is_refused_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
