@@ -282,13 +282,13 @@ def test_grounding_reads_the_boxes_file_once(dm: CaptionDataModule,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     reads: list[int] = []
 
-    class CountingJson:
-        @staticmethod
-        def loads(text: str) -> Any:
-            reads.append(1)
-            return json.loads(text)
+    load_json = sources.load_json
 
-    monkeypatch.setattr(sources, "json", CountingJson)
+    def counting(path: Any) -> Any:
+        reads.append(1)
+        return load_json(path)
+
+    monkeypatch.setattr(sources, "load_json", counting)
     g = dm.grounding
     assert g is not None and dm.grounding is g and dm.boxes is g.table
     g.crop_boxes(list(g.ids), dm.image_size)

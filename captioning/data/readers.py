@@ -138,7 +138,7 @@ def type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _load_json(file: Path, object_hook: Callable[[dict], Any] | None = None) -> Any:
+def load_json(file: Path, object_hook: Callable[[dict], Any] | None = None) -> Any:
     """Parse a JSON file; every failure is a DataError naming the file (and line/column)."""
     top = "(file)"
     try:
@@ -148,6 +148,9 @@ def _load_json(file: Path, object_hook: Callable[[dict], Any] | None = None) -> 
         raise DataError([Problem(str(file), top, "(file)", "file does not exist")]) from None
     except IsADirectoryError:
         raise DataError([Problem(str(file), top, "(file)", "is a directory")]) from None
+    except OSError as e:
+        raise DataError([Problem(str(file), top, "(file)",
+                                 f"cannot read file ({e.strerror or e})")]) from None
     except json.JSONDecodeError as e:
         raise DataError([Problem(str(file), f"line {e.lineno} column {e.colno}", "(json)",
                                  f"malformed JSON: {e.msg}")]) from e
@@ -295,7 +298,7 @@ def read_karpathy(
     file = Path(split_file)
     report = Report(str(file))
     root = str(image_root)
-    images = _top_list(_load_json(file, _drop_tokens), file, "images")
+    images = _top_list(load_json(file, _drop_tokens), file, "images")
 
     records: list[ImageRecord] = []
     seen: dict[Any, int] = {}
@@ -364,7 +367,7 @@ def read_coco_captions(
     file = Path(annotations_file)
     report = Report(str(file))
     root = str(image_dir)
-    data = _load_json(file)
+    data = load_json(file)
     images = _top_list(data, file, "images")
     annotations = _top_list(data, file, "annotations")
 

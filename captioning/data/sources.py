@@ -41,6 +41,7 @@ from captioning.data.readers import (
     OnError,
     Problem,
     Records,
+    load_json,
     read_coco_captions,
     read_karpathy,
     type_name,
@@ -91,15 +92,7 @@ class ObjectBoxes:
         """Read a boxes.json ({"images": [{"image_id", "width", "height", "objects"}, ...]});
         a `DataError` naming the file, the entry and the field when it is not one."""
         path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise DataError([Problem(str(path), "(file)", "(file)", "file does not exist")]
-                            ) from None
-        except (OSError, ValueError, RecursionError) as e:
-            raise DataError([Problem(str(path), "(file)", "(json)",
-                                     f"not a valid boxes file ({type(e).__name__}: {e})")]
-                            ) from None
+        data = load_json(path)  # a DataError naming the file when it is unreadable
         problems = list(_boxes_problems(str(path), data))
         if problems:
             raise DataError(problems)
