@@ -23,6 +23,7 @@ import os
 import pickle
 import random
 import re
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -114,9 +115,25 @@ def read_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", *,
     except Exception as e:  # the many ways a corrupt or foreign file fails to unpickle
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint "
                               f"({type(e).__name__}: {_first_reason(str(e))})") from None
+    _check_checksums(path)  # with `mmap` too: a resume's check reads every byte once
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a checkpoint dict, got {type(data).__name__}")
     return data
+
+
+def _check_checksums(path: Path) -> None:
+    """A zip-format checkpoint's entries against their stored CRC-32s: `torch.load` does not
+    check them, so a flipped bit in a tensor's bytes would load as a silently wrong weight."""
+    if not zipfile.is_zipfile(path):
+        return  # the legacy format stores no checksums
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({e})") from None
+    if bad is not None:
+        raise CheckpointError(f"{path}: corrupt checkpoint: the bytes of {bad} do not match "
+                              "their stored checksum (a damaged or partly overwritten file)")
 
 
 def _first_reason(message: str) -> str:

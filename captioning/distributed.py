@@ -24,3 +24,13 @@ def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
     out = t.clone()
     torch.distributed.all_reduce(out, op=getattr(torch.distributed.ReduceOp, op.upper()))
     return out
+
+
+def end_process_group() -> None:
+    """Tear the default process group down after a last barrier, so that the ranks leave
+    together and no gloo/NCCL thread or TCP store is still running when the interpreter exits
+    (an abort at exit otherwise: "terminate called without an active exception")."""
+    if not is_distributed():
+        return
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -13,8 +13,9 @@ of them):
 
 * training captions/s through the real `CaptionDataModule` + `CaptioningModule` + Lightning
   `Trainer`, with the encoder's features cached (the CNN never runs) or not (the frozen CNN
-  runs on every batch), soft and hard attention; cached soft also without length bucketing
-  and with the decoder's fast path (`fast_path: compile`, and `graphs` on CUDA);
+  runs on every batch), soft and hard attention; cached soft also without length bucketing,
+  with batches that hold each image's captions together (`group_by_image`: the keys projected
+  once per image) and with the decoder's fast path (`fast_path: compile`, `graphs` on CUDA);
 * beam-search captions/s on cached features (<end> disabled, so every caption runs
   `--max-len` steps: an untrained decoder would otherwise stop at once);
 * the COCO-size index build: a synthetic Karpathy file of 123,287 images / 616,767 captions
@@ -191,6 +192,8 @@ def build_run(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
         "length_bucketing": spec.get("bucketing", True), "feature_cache": cached,
         "cache_dir": spec["cache_dir"], "validate_images": False, "vocab_path": None,
         "cache_verify": spec.get("cache_verify", "full")}
+    if spec.get("group_by_image"):  # only when asked: older revisions (--against) lack it
+        data["group_by_image"] = True
     if karpathy:
         data.update({"source.split_file": spec["split_file"],
                      "source.image_root": spec["image_root"]})
@@ -753,10 +756,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # `net.grid_size: 14`), decoder 512/512/512, batch 32, 2 threads, 1,500 training images x
     # 5 captions; cached soft training with the roofline.
     "issue17": {"encoder": "resnet18", "image_size": 256, "grid_size": 14, "batch_size": 32,
-                "threads": 2, "num_train": 1500, "rows": "cached", "attentions": "soft",
+                "threads": 2, "num_train": 1500, "rows": "cached,grouped", "attentions": "soft",
                 "roofline": True},
 }
 ENCODERS = ("mobilenet_v2", "vgg19", "resnet18")
+GROUPED = "train, cached, soft, by image"  # the row of `CaptionDataModule(group_by_image=True)`
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -786,9 +790,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--channels-last", action="store_true", help="channels_last CNN")
     p.add_argument("--beam-size", type=int, default=3)
     p.add_argument("--max-len", type=int, default=20)
-    p.add_argument("--rows", default="uncached,cached,channels_last,nobucket,compile,beam,coco",
+    p.add_argument("--rows", default="uncached,cached,channels_last,nobucket,grouped,compile,"
+                                     "beam,coco",
                    help="comma-separated subset of: uncached,cached,channels_last,nobucket,"
-                        "compile,beam,coco")
+                        "grouped (batches by image),compile,beam,coco")
     p.add_argument("--attentions", default="soft,hard",
                    help="attention kinds of the uncached and cached rows")
     p.add_argument("--threads", type=int, default=None,
@@ -890,6 +895,11 @@ def train_configs(args: argparse.Namespace, weights: str,
                         {"cached": False, "channels_last": True}))
     if "nobucket" in rows:
         configs.append(("train, cached, soft, no bucketing", {"bucketing": False}))
+    if "grouped" in rows:  # an image's captions in one batch: its keys projected once
+        configs.append((GROUPED, {"group_by_image": True}))
+        if "uncached" in rows:  # and the frozen CNN runs once per image
+            configs.append(("train, uncached, soft, by image",
+                            {"cached": False, "group_by_image": True}))
     if "compile" in rows:  # the fixed-shape pass: compiled, and replayed as CUDA graphs
         configs.append(("train, cached, soft, fast_path compile",
                         {"fast_path": "compile", "warmup": max(args.warmup, 3)}))
@@ -930,13 +940,15 @@ def run_training_rows(base: dict[str, Any], args: argparse.Namespace,
 
 
 def run_roofline(base: dict[str, Any], args: argparse.Namespace,
-                 cached_soft: dict[str, Any]) -> dict[str, Any]:
+                 cached_soft: dict[str, Any], kw: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
     """The roofline of cached soft training: matmul rate, FLOPs per pair (counted on the
-    batches a timing round times) and the achieved rate of the `cached_soft` row."""
+    batches a timing round times, with the row's overrides `kw`) and the achieved rate of the
+    `cached_soft` row."""
     log.info("running: roofline (matmul rate, FLOP count)")
     per_round = -(-args.steps // args.rounds)
-    spec = {**train_spec(base, args, {"attention": "soft"}, per_round), "kind": "roofline",
-            "matmul_size": args.matmul_size}
+    spec = {**train_spec(base, args, {"attention": "soft", **(kw or {})}, per_round),
+            "kind": "roofline", "matmul_size": args.matmul_size}
     roof = run_worker(spec, args.threads)
     per_pair = roof["flops"] / max(1, roof["flop_pairs"])
     achieved = per_pair * cached_soft["mean_captions_per_s"] / 1e9
@@ -977,6 +989,9 @@ def main(argv: list[str] | None = None) -> int:
         results = run_training_rows(base, args, train_configs(args, weights, against))
         if args.roofline:
             extra["roofline"] = run_roofline(base, args, dict(results)["train, cached, soft"])
+            if GROUPED in dict(results):
+                extra["roofline_grouped"] = run_roofline(base, args, dict(results)[GROUPED],
+                                                         {"group_by_image": True})
         if args.profile:
             extra["profile"] = run_profile(base, args)
         if "beam" in rows:
@@ -990,6 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _print_table(args, args.batch_size, results, padding)
     _print_roofline(args, extra.get("roofline"))
+    _print_roofline(args, extra.get("roofline_grouped"), "by image")
     _print_profile(extra.get("profile"))
     if args.json:
         Path(args.json).write_text(json.dumps({
@@ -1077,8 +1093,15 @@ def _print_table(args: argparse.Namespace, batch: int, results: list[tuple[str, 
               f"{100 * pad['random']:.1f}% random batches")
 
 
-def _print_roofline(args: argparse.Namespace, roof: dict[str, Any] | None) -> None:
+def _print_roofline(args: argparse.Namespace, roof: dict[str, Any] | None,
+                    batching: str = "") -> None:
     if not roof:
+        return
+    if batching:  # the matmul rates are the first roofline's, measured again
+        print(f"roofline, {batching}: decoder FLOPs per pair {roof['flops_per_pair'] / 1e9:.3f}"
+              f" GFLOP; {roof['pairs_per_s']:.1f} pairs/s = {roof['achieved_gflops']:.1f} "
+              f"GFLOP/s = {100 * roof['share']:.0f}% of the matmul rate "
+              f"({roof['matmul_gflops']:.1f} GFLOP/s in this measurement)")
         return
     where = "GPU" if args.device.startswith("cuda") else f"CPU, {roof['threads']} thread(s)"
     n = roof["matmul_size"]

@@ -28,14 +28,16 @@ def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
 
 def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached", "--attentions",
-         "soft", "--roofline", "--profile", "--profile-steps", "2", "--steps", "2",
+        [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached,grouped",
+         "--attentions", "soft", "--roofline", "--profile", "--profile-steps", "2", "--steps", "2",
          "--rounds", "1", "--warmup", "1", "--num-train", "16", "--batch-size", "4",
          "--threads", "1", "--workdir", str(tmp_path / "work"),
          "--json", str(tmp_path / "bench.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| train, cached, soft" in out.stdout
+    assert "| train, cached, soft, by image" in out.stdout
+    assert "roofline, by image: decoder FLOPs per pair" in out.stdout
     assert "roofline (CPU, 1 thread(s)): fp32 matmul 512x512:" in out.stdout
     assert "of the matmul rate" in out.stdout
     # batch 4; mobilenet_v2's 1280 channels + the tiny decoder's 32 units; 4 gates of 32
@@ -58,7 +60,7 @@ def test_issue17_preset_sets_the_issue_setting() -> None:
     args = benchmark.parse_args(["--preset", "issue17", "--steps", "4"])
     assert (args.encoder, args.image_size, args.grid_size, args.batch_size, args.threads,
             args.num_train) == ("resnet18", 256, 14, 32, 2, 1500)
-    assert args.roofline and args.rows == "cached" and args.steps == 4  # a flag wins
+    assert args.roofline and args.rows == "cached,grouped" and args.steps == 4  # a flag wins
     assert benchmark.grid_description(args) == "14x14x512"
 
 

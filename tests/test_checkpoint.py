@@ -282,3 +282,28 @@ def test_the_lightning_module_writes_the_checkpoint_keys(trained: Trained) -> No
         assert key in data
     assert data["hyper_parameters"]["decode"] == DecodeConfig(beam_size=3, max_len=12).to_dict()
     assert not any(k in data["hyper_parameters"] for k in ck.LEGACY_DECODE_KEYS)
+
+
+def test_a_flipped_bit_in_a_tensor_is_refused(trained: Trained, tmp_path: Path) -> None:
+    """torch.load does not check the zip entries' CRC-32s: a damaged weight would load."""
+    import zipfile
+
+    from captioning.checkpoint import CheckpointError, check_checkpoint_file
+
+    path = tmp_path / "flipped.ckpt"
+    path.write_bytes(trained.checkpoint.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:  # the entry's bytes start after its local header
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+        f.seek(info.header_offset + 30 + name_len + extra_len + info.file_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+    torch.load(path, weights_only=True)  # torch itself reads it without complaint
+    for load in (load_checkpoint, functools.partial(check_checkpoint_file, resume=True)):
+        with pytest.raises(CheckpointError, match=rf"{path}: corrupt checkpoint: the bytes of "
+                                                  rf"\S+{info.filename.split('/')[-1]} do not"):
+            load(path)
+    load_checkpoint(trained.checkpoint)  # the intact file still loads

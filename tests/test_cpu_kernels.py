@@ -11,6 +11,7 @@ from torch import Tensor
 
 from captioning.models.attention import AdditiveAttention, AdditiveScore
 from captioning.models.decoder import AttentionLSTMDecoder
+from captioning.models.pass_grads import PassGradient
 
 
 def reference_score(keys: Tensor, q: Tensor, w: Tensor) -> Tensor:
@@ -29,20 +30,33 @@ def test_fused_score_equals_the_formula_and_its_gradients(b: int, dtype: torch.d
     weight = torch.randn(b, 49, generator=g, dtype=dtype)  # every score weighs differently
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     outs = []
-    for fn in (reference_score, AdditiveScore.apply):
+    for fn in (reference_score, fused, fused_summed):
         k, qq, ww = (x.clone().requires_grad_() for x in (keys, q, w))
         e = fn(k, qq, ww)
         (F.softmax(e, -1) * weight).sum().backward()
         outs.append((e.detach(), k.grad, qq.grad, ww.grad))
-    for ref, fused, name in zip(*outs, ("scores", "keys grad", "query grad", "w grad")):
-        assert fused.shape == ref.shape, name
-        torch.testing.assert_close(fused, ref, rtol=tol, atol=tol, msg=name)
-    assert bool(outs[1][1][b:].eq(0).all())  # rows past the running captions: no gradient
+    for other in outs[1:]:
+        for ref, got, name in zip(outs[0], other, ("scores", "keys grad", "query grad", "w grad")):
+            assert got.shape == ref.shape, name
+            torch.testing.assert_close(got, ref, rtol=tol, atol=tol, msg=name)
+        assert bool(other[1][b:].eq(0).all())  # rows past the running captions: no gradient
 
 
-def test_fused_score_backs_up_twice_through_a_retained_graph() -> None:
+def fused(keys: Tensor, q: Tensor, w: Tensor) -> Tensor:
+    return AdditiveScore.apply(keys, q, w, None)
+
+
+def fused_summed(keys: Tensor, q: Tensor, w: Tensor) -> Tensor:
+    """The fused score with the keys' gradient summed in place (`PassGradient`), as the
+    decoder's teacher-forced pass runs it."""
+    sink = PassGradient(keys)
+    return AdditiveScore.apply(sink.tensor, q, w, sink)
+
+
+@pytest.mark.parametrize("fn", [fused, fused_summed])
+def test_fused_score_backs_up_twice_through_a_retained_graph(fn) -> None:
     keys, q, w = (torch.randn(*s, requires_grad=True) for s in ((2, 3, 4), (2, 4), (1, 4)))
-    e = AdditiveScore.apply(keys, q, w).sum()
+    e = fn(keys, q, w).sum()
     e.backward(retain_graph=True)
     first = keys.grad.clone()
     e.backward()

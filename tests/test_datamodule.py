@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 from captioning.data.datamodule import CaptionDataModule
 from captioning.data.datasets import CaptionBatch
 from captioning.data.readers import DataError
-from captioning.data.samplers import BucketBatchSampler
+from captioning.data.samplers import BucketBatchSampler, ImageBatchSampler
 from captioning.data.sources import KarpathySplits
 from captioning.vocab import Vocabulary, tokenize
 
@@ -156,11 +156,28 @@ def test_unbucketed_loader(shapes_dm_kwargs: dict) -> None:
         _check_batch(b, dm.vocab)
 
 
-def test_lightning_injects_a_distributed_sampler(dm: CaptionDataModule) -> None:
+def test_image_grouped_loader(shapes_dm_kwargs: dict) -> None:
+    dm = CaptionDataModule(**shapes_dm_kwargs, group_by_image=True)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    assert sum(len(b) for b in batches) == 120
+    images_per_batch = [len(set(b.image_ids)) for b in batches]
+    assert max(images_per_batch) <= -(-dm.batch_size // 5) + 1  # 5 captions an image
+    for b in batches:
+        _check_batch(b, dm.vocab)
+        for i, image_id in enumerate(b.image_ids):  # same image, same input rows
+            j = b.image_ids.index(image_id)
+            assert torch.equal(b.images[i], b.images[j])
+
+
+@pytest.mark.parametrize("group_by_image", [False, True], ids=["bucketed", "by-image"])
+def test_lightning_injects_a_distributed_sampler(dm: CaptionDataModule,
+                                                 group_by_image: bool) -> None:
     """Under DDP Lightning rebuilds the batch sampler around a DistributedSampler."""
     from lightning.fabric.utilities.data import _replace_dunder_methods, _set_sampler_epoch
     from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
 
+    dm.group_by_image = group_by_image
     dm.setup("fit")
     with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
         loader = dm.train_dataloader()
@@ -169,7 +186,8 @@ def test_lightning_injects_a_distributed_sampler(dm: CaptionDataModule) -> None:
     for rank in range(2):
         dist = DistributedSampler(loader.dataset, num_replicas=2, rank=rank, shuffle=True)
         new = _update_dataloader(loader, dist)
-        assert isinstance(new.batch_sampler, BucketBatchSampler)
+        assert isinstance(new.batch_sampler, ImageBatchSampler if group_by_image else
+                          BucketBatchSampler)
         assert new.batch_sampler.sampler is dist
         _set_sampler_epoch(new, 4)
         assert new.batch_sampler.epoch == 4

@@ -197,6 +197,20 @@ def test_list_files_are_recognised(tmp_path: Path) -> None:
     assert got.problems == [f"{tmp_path / 'empty.lst'}: list file names no images"]
 
 
+def test_a_list_entry_that_names_nothing_is_reported_with_its_file_and_line(
+        tmp_path: Path) -> None:
+    (tmp_path / "a.png").write_bytes(b"")
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "b.png").write_bytes(b"")
+    listing = tmp_path / "images.txt"
+    listing.write_text("a.png\n# a comment\nmissing.png\npics/*.png\nnone/*.png\n")
+    got = expand_predict_inputs([str(listing)])
+    assert got.paths == [tmp_path / "a.png", tmp_path / "pics" / "b.png"]
+    assert got.problems == [
+        f"{listing}, line 3: {tmp_path / 'missing.png'}: image file does not exist",
+        f"{listing}, line 5: {tmp_path / 'none/*.png'}: pattern matched no images"]
+
+
 def test_short_lists_give_every_rank_an_item(tmp_path: Path, write_png) -> None:
     good = write_png(tmp_path / "a.png", size=(64, 64))
     bad = tmp_path / "bad.png"

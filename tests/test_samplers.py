@@ -1,11 +1,11 @@
-"""Length-bucketed batch sampler and the (seed, epoch) shuffle."""
+"""Length-bucketed and image-grouped batch samplers, and the (seed, epoch) shuffle."""
 
 from __future__ import annotations
 
 import numpy as np
 from torch.utils.data.distributed import DistributedSampler
 
-from captioning.data.samplers import BucketBatchSampler, EpochShuffleSampler
+from captioning.data.samplers import BucketBatchSampler, EpochShuffleSampler, ImageBatchSampler
 
 
 def _lengths(n: int, seed: int = 0) -> np.ndarray:
@@ -56,3 +56,59 @@ def test_bucket_sampler_shards_disjointly_across_replicas() -> None:
                                        6, lengths=lengths))) == len(sampler)
     assert not set(shards[0]) & set(shards[1])
     assert sorted(shards[0] + shards[1]) == list(range(n))
+
+
+def _images(n_images: int, seed: int = 0) -> np.ndarray:
+    """The image of each pair: 5 to 7 captions an image (as in COCO), pairs in random order."""
+    counts = np.random.default_rng(seed).integers(5, 8, size=n_images)
+    return np.random.default_rng(seed + 1).permutation(np.repeat(np.arange(n_images), counts))
+
+
+def test_image_sampler_keeps_each_images_captions_together() -> None:
+    images = _images(40)
+    sampler = ImageBatchSampler(EpochShuffleSampler(len(images), seed=3), 16, images=images,
+                                seed=3)
+    epochs = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(batches) == len(sampler) == -(-len(images) // 16)
+        assert sorted(i for b in batches for i in b) == list(range(len(images)))
+        # An image's pairs are consecutive in the epoch: it spans at most two batches, and a
+        # batch holds about batch_size / 6 images, not 16.
+        flat = [int(images[i]) for b in batches for i in b]
+        runs = [flat[0]] + [x for x, prev in zip(flat[1:], flat) if x != prev]
+        assert sorted(runs) == list(range(40))
+        assert max(len(set(images[b])) for b in batches) <= 16 // 5 + 2
+        epochs.append(batches)
+    assert epochs[0] != epochs[1]
+    sampler.set_epoch(1)
+    assert list(sampler) == epochs[1]  # deterministic given (seed, epoch)
+    sampler.start = 2  # resuming within the epoch skips the batches already trained on
+    assert list(sampler) == epochs[1][2:]
+
+
+def test_image_sampler_shards_equal_contiguous_shares_across_replicas() -> None:
+    images = _images(31)
+    n = len(images)
+    shares = []
+    for rank in range(3):
+        inner = DistributedSampler(range(n), num_replicas=3, rank=rank, shuffle=True, seed=0)
+        sampler = ImageBatchSampler(inner, 8, images=images)
+        sampler.set_epoch(4)
+        batches = list(sampler)
+        assert len(batches) == len(sampler)  # every rank hands out the same number
+        shares.append([i for b in batches for i in b])
+    assert len({len(s) for s in shares}) == 1
+    everything = [i for s in shares for i in s]
+    assert sorted(set(everything)) == list(range(n))  # every pair, once but for the padding
+    assert len(everything) - n == -n % 3
+    one = ImageBatchSampler(EpochShuffleSampler(n), 8, images=images)
+    one.set_epoch(4)
+    assert everything[:n] == [i for b in one for i in b]  # the ranks cut one order
+
+
+def test_image_sampler_drop_last() -> None:
+    images = np.repeat(np.arange(5), 5)  # 25 pairs
+    batches = list(ImageBatchSampler(range(25), 10, True, images=images))
+    assert len(batches) == 2 and all(len(b) == 10 for b in batches)

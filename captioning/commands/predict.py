@@ -48,8 +48,9 @@ def is_list_file(arg: str) -> bool:
     return arg.startswith("@") or Path(arg).suffix.lower() in LIST_EXTENSIONS
 
 
-def read_list_file(arg: str) -> tuple[list[str], str | None]:
-    """The entries of a list file (relative ones joined to its folder), or a problem."""
+def read_list_file(arg: str) -> tuple[list[tuple[int, str]], str | None]:
+    """The (line number, entry) pairs of a list file (relative entries joined to its folder),
+    or a problem."""
     path = Path(arg[1:] if arg.startswith("@") else arg)
     try:
         text = path.read_text(encoding="utf-8")
@@ -57,23 +58,32 @@ def read_list_file(arg: str) -> tuple[list[str], str | None]:
         return [], f"{path}: list file does not exist"
     except (OSError, UnicodeDecodeError) as e:
         return [], f"{path}: cannot read the list file ({getattr(e, 'strerror', None) or e})"
-    entries = [ln.strip() for ln in text.splitlines()]
-    entries = [str(path.parent / e) for e in entries if e and not e.startswith("#")]
+    entries = [(n, str(path.parent / e)) for n, ln in enumerate(text.splitlines(), 1)
+               if (e := ln.strip()) and not e.startswith("#")]
     return entries, None if entries else f"{path}: list file names no images"
 
 
 def expand_predict_inputs(args: Sequence[str]) -> Inputs:
     """List files replaced by their entries, then `expand_inputs` (folders, globs, files;
-    each path once, at its first occurrence)."""
+    each path once, at its first occurrence). A list entry that names nothing is reported
+    with its list file and line."""
     flat: list[str] = []
     problems: list[str] = []
     for arg in args:
-        if is_list_file(arg):
-            entries, problem = read_list_file(arg)
-            flat += entries
-            problems += [problem] if problem else []
-        else:
+        if not is_list_file(arg):
             flat.append(arg)
+            continue
+        entries, problem = read_list_file(arg)
+        problems += [problem] if problem else []
+        where = arg[1:] if arg.startswith("@") else arg
+        for line, entry in entries:
+            found = expand_inputs([entry])
+            missing = not found.problems and not any(p.exists() for p in found.paths)
+            problems += [f"{where}, line {line}: {p}" for p in found.problems]
+            if missing:
+                problems.append(f"{where}, line {line}: {entry}: image file does not exist")
+            elif not found.problems:
+                flat.append(entry)
     inputs = expand_inputs(flat)
     return Inputs(inputs.paths, problems + inputs.problems)
 
@@ -201,6 +211,7 @@ def _predict(a: argparse.Namespace, argv: list[str], model: LoadedModel,
 
     from captioning.callbacks.predictions import CaptionWriter
     from captioning.data.predict import predict_loader
+    from captioning.distributed import end_process_group
 
     writer = CaptionWriter(a.out, alphas=a.alphas, overlays=a.overlays,
                            names=overlay_names(paths))
@@ -222,7 +233,9 @@ def _predict(a: argparse.Namespace, argv: list[str], model: LoadedModel,
                             pin_memory=a.accelerator != "cpu" and torch.cuda.is_available())
     trainer.predict(build_module(model, a.beam_size, a.max_len), dataloaders=loader,
                     return_predictions=False)
-    return writer.captioned, writer.failed, trainer.is_global_zero
+    is_zero = trainer.is_global_zero
+    end_process_group()  # the ranks exit together, with no process-group thread left running
+    return writer.captioned, writer.failed, is_zero
 
 
 def _relaunches(trainer: Any) -> bool:

@@ -40,6 +40,7 @@ from captioning.data.readers import DataError, ImageRecord, Problem, split_overl
 from captioning.data.samplers import (
     BucketBatchSampler,
     EpochShuffleSampler,
+    ImageBatchSampler,
     ResumableDataLoader,
 )
 from captioning.data.sources import DataSource, ObjectBoxes, ShapesSource
@@ -88,6 +89,9 @@ class CaptionDataModule(L.LightningDataModule):
     readers and to the image-file checks done by `setup` when `validate_images` (every referenced
     image is checked with `check_image` before the first step). What was skipped is counted in
     `skipped` ({"captions", "images", "image_files"}) and logged.
+    Training batches are length-bucketed (`length_bucketing`), or with `group_by_image` hold
+    each image's captions together, so that a frozen encoder and the key projection run once
+    per image (`ImageBatchSampler`; on the CPU, 1.1x at issue 17's benchmark setting).
     `cache_verify`: how much of a feature cache is checked when opened (see `features`): every
     block's hash (`full`), each block on its first read (`lazy`), or sizes only (`size`).
     """
@@ -108,6 +112,7 @@ class CaptionDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         persistent_workers: bool = False,
         length_bucketing: bool = True,
+        group_by_image: bool = False,
         seed: int = 0,
         on_bad_data: Literal["fail", "skip"] = "fail",
         validate_images: bool = True,
@@ -137,6 +142,7 @@ class CaptionDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
         self.length_bucketing = length_bucketing
+        self.group_by_image = group_by_image
         self.seed = seed
         self.on_bad_data = on_bad_data
         self.validate_images = validate_images
@@ -412,11 +418,12 @@ class CaptionDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         ds = self.dataset_for("train")
-        if self.length_bucketing:
-            sampler = BucketBatchSampler(EpochShuffleSampler(len(ds), seed=self.seed),
-                                         self.batch_size, False, lengths=ds.lengths,
-                                         seed=self.seed)
+        inner = EpochShuffleSampler(len(ds), seed=self.seed)
+        if self.group_by_image or self.length_bucketing:
             # resumable: a mid-epoch checkpoint continues its epoch (see ResumableDataLoader)
+            sampler = ImageBatchSampler(inner, self.batch_size, images=ds.pair_record,
+                                        seed=self.seed) if self.group_by_image else \
+                BucketBatchSampler(inner, self.batch_size, lengths=ds.lengths, seed=self.seed)
             return ResumableDataLoader(ds, batch_sampler=sampler, **self._loader_kwargs())
         # not resumable within an epoch: Lightning warns and starts that epoch's data afresh
         generator = torch.Generator().manual_seed(self.seed)

@@ -90,6 +90,49 @@ class BucketBatchSampler(BatchSampler):
         yield from batches[start:]
 
 
+class ImageBatchSampler(BucketBatchSampler):
+    """Batches that hold the captions of each image together: the images in a (seed, epoch)-
+    determined order, each image's pairs in a row, cut into batches of `batch_size` (an
+    image's captions are split only at a batch's edge). A frozen encoder and the scorer's key
+    projection then run once per image of a batch (`captioning.models.repeats`); the decoder
+    still shrinks its batch by length, so no recurrent step is spent on padding.
+
+    `images` (N,): the image of each pair. Every pair lands in exactly one batch of the epoch.
+    Under Lightning DDP the `sampler` argument is a `DistributedSampler`; only its rank,
+    `num_replicas`, length and epoch are read. Each rank takes its own contiguous share of the
+    one order (padded by repeating its start, as a DistributedSampler pads), so the ranks
+    hand out the same number of batches. `start` resumes within an epoch as in the parent.
+    """
+
+    def __init__(self, sampler: Sampler[int] | Sequence[int], batch_size: int,
+                 drop_last: bool = False, *, images: Sequence[int] | np.ndarray,
+                 seed: int = 0) -> None:
+        super().__init__(sampler, batch_size, drop_last, lengths=np.zeros(len(images)),
+                         seed=seed, shuffle=True)
+        self.images = np.asarray(images, dtype=np.int64)
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.sampler), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = np.argsort(self.images, kind="stable")  # pairs grouped by image
+        starts = np.flatnonzero(np.r_[True, self.images[order][1:] != self.images[order][:-1]])
+        groups = np.split(order, starts[1:])
+        perm = np.random.default_rng([self.seed, self.epoch, 2]).permutation(len(groups))
+        pairs = np.concatenate([groups[i] for i in perm]) if groups else order
+        share = len(self.sampler)  # pairs per rank
+        rank = int(getattr(self.sampler, "rank", 0))
+        total = share * int(getattr(self.sampler, "num_replicas", 1))
+        pairs = np.resize(pairs, max(total, len(pairs)))[rank * share: (rank + 1) * share]
+        b = self.batch_size
+        batches = [pairs[s: s + b].tolist() for s in range(0, len(pairs), b)]
+        if batches and self.drop_last and len(batches[-1]) < b:
+            batches.pop()
+        start, self.start = self.start, 0
+        yield from batches[start:]
+
+
 class ResumableDataLoader(DataLoader):
     """A DataLoader over a `BucketBatchSampler` whose place within an epoch is saved in
     Lightning checkpoints and restored on resume (Lightning's stateful-loader interface,

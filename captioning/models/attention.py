@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from captioning.models.pass_grads import PassGradient
 
 WeightRule = Literal["expected", "sample", "argmax"]  # decode-time rules (`net.hard_decode`)
 SelectRule = Literal["expected", "sample", "argmax", "gumbel"]  # every rule of `select`
@@ -49,7 +51,10 @@ class Scorer(nn.Module):
     """f_att: `project` annotations (B, L, D) to keys (B, L, K) once per image, then
     `forward(keys, h)` gives the scores e_t (b, L) at every step, for h (b, H): the first
     b ≤ B rows of the keys (the teacher-forced pass drops captions as they end, and slicing the
-    keys itself would cost a zero-filled (B, L, K) gradient each time)."""
+    keys itself would cost a zero-filled (B, L, K) gradient each time). A teacher-forced pass
+    may give `keys_grad`, where a scorer's backward can sum the keys' gradient over the steps
+    in place (`captioning.models.pass_grads`); the CPU additive score does, the others leave
+    it to autograd."""
 
     key: nn.Module
 
@@ -61,7 +66,8 @@ class Scorer(nn.Module):
         """Keys of every location: (B, L, D) -> (B, L, K). Computed once, reused each step."""
         return self.deep(self.key(features))
 
-    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
+    def forward(self, keys: Tensor, h: Tensor, *,
+                keys_grad: PassGradient | None = None) -> Tensor:
         raise NotImplementedError
 
 
@@ -76,27 +82,31 @@ class AdditiveScore(torch.autograd.Function):
     measured slower.)"""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, keys: Tensor, q: Tensor,  # type: ignore[override]
-                w: Tensor) -> Tensor:
+    def forward(ctx: Any, keys: Tensor, q: Tensor, w: Tensor,  # type: ignore[override]
+                keys_grad: PassGradient | None) -> Tensor:
         k = keys[: q.size(0)]  # (b, L, A)
         t = torch.add(k, q.unsqueeze(1).expand_as(k))  # expand: a broadcast add is slower
         t.mul_(2).sigmoid_().mul_(2).sub_(1)  # t = tanh(k + q)
         ctx.save_for_backward(t, w)
-        ctx.n_keys = keys.size(0)  # type: ignore[attr-defined]
+        ctx.n_keys, ctx.keys_grad = keys.size(0), keys_grad
         return torch.matmul(t, w[0])  # (b, L)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
-                 g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        t, w = ctx.saved_tensors  # type: ignore[attr-defined]
+    def backward(ctx: Any, g: Tensor  # type: ignore[override]
+                 ) -> tuple[Tensor | None, Tensor, Tensor, None]:
+        t, w = ctx.saved_tensors
         b, L, A = t.shape
         dw = (t.reshape(b * L, A).t() @ g.reshape(b * L)).unsqueeze(0)  # (1, A)
-        dkeys = t.new_empty(ctx.n_keys, L, A)  # type: ignore[attr-defined]
-        d = dkeys[:b]
+        sink: PassGradient | None = ctx.keys_grad
+        dkeys = None if sink is not None else t.new_empty(ctx.n_keys, L, A)
+        d = t.new_empty(b, L, A) if dkeys is None else dkeys[:b]
         torch.addcmul(t.new_ones(()), t, t, value=-1, out=d).mul_(g.unsqueeze(-1)).mul_(w[0])
-        dkeys[b:].zero_()  # rows past the batch's running captions
-        return dkeys, d.sum(1), dw
+        if sink is not None:  # summed over the pass in place: only the running rows
+            sink.add_rows(d)
+        else:
+            dkeys[b:].zero_()  # rows past the batch's running captions
+        return dkeys, d.sum(1), dw, None
 
 
 class AdditiveAttention(Scorer):
@@ -111,11 +121,13 @@ class AdditiveAttention(Scorer):
         # bias here would be a parameter that never receives a gradient.
         self.score = nn.Linear(attn_dim, 1, bias=False)  # w
 
-    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
+    def forward(self, keys: Tensor, h: Tensor, *,
+                keys_grad: PassGradient | None = None) -> Tensor:
         """Scores e_ti (b, L) from the previous hidden state h_{t-1} (b, H) and the keys."""
         q = self.query(h)  # (b, A)
         if keys.device.type == "cpu":  # one kernel chain instead of autograd's five (B, L, A) ops
-            return AdditiveScore.apply(keys, q, self.score.weight)
+            sink = keys_grad if keys_grad is not None and keys_grad.active else None
+            return AdditiveScore.apply(keys, q, self.score.weight, sink)
         k = keys[: q.size(0)]
         return self.score(torch.tanh(k + q.unsqueeze(1))).squeeze(-1)  # (b, L)
 
@@ -131,7 +143,8 @@ class DotAttention(Scorer):
         self.key = nn.Linear(feature_dim, attn_dim, bias=False)  # W_k, once per image
         self.query = nn.Linear(hidden_dim, attn_dim, bias=False)  # W_q
 
-    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
+    def forward(self, keys: Tensor, h: Tensor, *,
+                keys_grad: PassGradient | None = None) -> Tensor:
         q = self.query(h).unsqueeze(2)  # (b, A, 1)
         return torch.bmm(keys[: q.size(0)], q).squeeze(2)  # (b, L)
 
@@ -146,8 +159,9 @@ class ScaledDotAttention(DotAttention):
                          n_layers=n_layers)
         self.scale = 1.0 / math.sqrt(attn_dim)
 
-    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
-        return super().forward(keys, h) * self.scale  # (b, L)
+    def forward(self, keys: Tensor, h: Tensor, *,
+                keys_grad: PassGradient | None = None) -> Tensor:
+        return super().forward(keys, h, keys_grad=keys_grad) * self.scale  # (b, L)
 
 
 class GeneralAttention(Scorer):
@@ -159,7 +173,8 @@ class GeneralAttention(Scorer):
         super().__init__(key_dim=hidden_dim, n_layers=n_layers)  # attn_dim is not used
         self.key = nn.Linear(feature_dim, hidden_dim, bias=False)  # W
 
-    def forward(self, keys: Tensor, h: Tensor) -> Tensor:
+    def forward(self, keys: Tensor, h: Tensor, *,
+                keys_grad: PassGradient | None = None) -> Tensor:
         return torch.bmm(keys[: h.size(0)], h.unsqueeze(2)).squeeze(2)  # (b, L)
 
 

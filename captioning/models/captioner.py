@@ -41,6 +41,7 @@ from captioning.models.pretrained import (
     read_model_folder,
     write_model_folder,
 )
+from captioning.models.repeats import per_distinct_row
 from captioning.vocab import Vocabulary
 
 Strategy = Literal["greedy", "beam", "sample"]
@@ -212,7 +213,9 @@ class Captioner(nn.Module):
         """
         if images.dim() == 3:
             return images.float() if images.dtype == torch.float16 else images
-        return self.encoder(images)
+        if self.encoder.trainable:
+            return self.encoder(images)
+        return per_distinct_row(images, self.encoder)  # frozen: once per distinct image
 
     def feature_cache_key(self) -> dict[str, Any]:
         """What cached annotation grids depend on besides the images and the input size."""

@@ -44,6 +44,8 @@ from captioning.models.attention import (
     build_scorer,
     select,
 )
+from captioning.models.pass_grads import PassGradient, RecurrentProduct
+from captioning.models.repeats import per_distinct_row
 
 AttentionKind = Literal["soft", "hard"]
 SemiSampling = Literal["image", "batch"]
@@ -158,8 +160,9 @@ class AttentionLSTMDecoder(nn.Module):
 
     # -- the step API -----------------------------------------------------------------------
     def memory(self, features: Tensor) -> Memory:
-        """Annotations (B, L, D) and the scorer's keys (B, L, K), computed once."""
-        return Memory(features, self.attention.project(features))
+        """Annotations (B, L, D) and the scorer's keys (B, L, K), computed once, and once per
+        distinct image where a batch repeats one (`captioning.models.repeats`)."""
+        return Memory(features, per_distinct_row(features, self.attention.project))
 
     def init_state(self, memory: Memory) -> DecoderState:
         """c_0 = f_init,c(mean a_i), h_0 = f_init,h(mean a_i) (§3.1.2)."""
@@ -222,13 +225,15 @@ class AttentionLSTMDecoder(nn.Module):
         c: Tensor,
         memory: Memory,
         rule: SelectRule,
-        recurrent: Tensor | None,
+        recurrent: RecurrentProduct | None,
         use_expected: Tensor | None = None,
+        keys_grad: PassGradient | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Selection]:
         """One step from `word_gates` (b, 4H) and the state (b, H): h, c, ẑ_t and the selection.
-        `recurrent`: `_recurrent_weight()`, built once by a teacher-forced pass; None for one
+        `recurrent`: over `_recurrent_weight()`, made once by a teacher-forced pass; None for one
         word (decoding), which multiplies by the two weights apart instead of copying them."""
-        scores = self.attention(memory.keys, h)  # e_ti = f_att(a_i, h_{t-1}) (Eq. 4)
+        # e_ti = f_att(a_i, h_{t-1}) (Eq. 4)
+        scores = self.attention(memory.keys, h, keys_grad=keys_grad)
         sel = select(scores, rule, tau=self.tau)  # α_t (Eq. 5) and the weights
         weights = sel.weights
         if use_expected is not None:
@@ -247,7 +252,7 @@ class AttentionLSTMDecoder(nn.Module):
             gates = torch.addmm(word_gates, z_hat, self.lstm.weight_ih[:, E:].t())
             gates = torch.addmm(gates, h, self.lstm.weight_hh.t())  # (b, 4H)
         else:
-            gates = torch.addmm(word_gates, torch.cat([z_hat, h], dim=1), recurrent)  # (b, 4H)
+            gates = recurrent(word_gates, torch.cat([z_hat, h], dim=1))  # (b, 4H)
         i, f, g, o = gates.chunk(4, dim=1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
@@ -303,9 +308,12 @@ class AttentionLSTMDecoder(nn.Module):
 
         trace = _StepOutputs()
         active = B
-        mem_t, ue = memory, use_expected
         word_gates = self._word_gates(emb).unbind(1)  # T x (B, 4H); unbind: one backward node
-        recurrent = self._recurrent_weight()
+        # Gradients of W and the keys, summed over the steps in one place (models.pass_grads)
+        recurrent = RecurrentProduct(self._recurrent_weight())
+        keys_grad = PassGradient(memory.keys)
+        mem_t = memory = Memory(memory.values, keys_grad.tensor)
+        ue = use_expected
         for t in range(T):
             while active > 0 and steps_cpu[active - 1] <= t:
                 active -= 1  # captions are sorted longest first: shrink to those still going
@@ -316,7 +324,7 @@ class AttentionLSTMDecoder(nn.Module):
                 mem_t = Memory(memory.values[:active], memory.keys)
                 ue = use_expected[:active] if use_expected is not None else None
             h, c, z_hat, sel = self._advance(word_gates[t][:active], h, c, mem_t, rule,
-                                             recurrent, ue)
+                                             recurrent, ue, keys_grad)
             trace.add(h, z_hat, sel)
         hs_bt = _stack_padded(trace.hs, B)  # (B, T, H)
         zs_bt = _stack_padded(trace.zs, B)  # (B, T, D)
@@ -370,13 +378,13 @@ class AttentionLSTMDecoder(nn.Module):
         """Every caption for all T steps of `tokens` (B, T) with `mask` (B, T) True where a
         word is predicted: logits (B, T, V) and α (B, T, L), zero past each caption's end as in
         `forward`, then log p(s_t) and H[α_t] (B, T) for the sampling rules. Fixed shapes."""
-        memory = self.memory(features)
+        memory = Memory(features, self.attention.project(features))  # compiled: no host read
         state = self.init_state(memory)
         h, c = state.h, state.c
         emb = self.embed(tokens)  # (B, T, E)
         trace = _StepOutputs()
         word_gates = self._word_gates(emb).unbind(1)  # T x (B, 4H)
-        recurrent = self._recurrent_weight()
+        recurrent = RecurrentProduct(self._recurrent_weight(), defer=False)  # compiled
         for t in range(tokens.size(1)):
             h, c, z_hat, sel = self._advance(word_gates[t], h, c, memory, rule, recurrent,
                                              use_expected)

@@ -1,0 +1,106 @@
+"""Gradients that a teacher-forced pass sums over its steps, summed in one place.
+
+Two tensors are read by every word step of a pass: the recurrent weight W (D + H, 4H) of the
+LSTM's product [ẑ_t, h_{t-1}] W, and the scorer's keys (B, L, K). Autograd would form each
+step's gradient of them in full and add it into a running sum: for W a product whose inner
+size is only the step's batch (32 rows, slow on a CPU), for the keys a zero-filled (B, L, K)
+tensor even when only a few captions are still running. Here a `PassGradient` stands between
+the tensor and the steps. Their backwards hand it their parts (W: the step's input rows and
+gate gradient; keys: the running rows' gradient, added in place), and it gives autograd the
+one sum when the backward reaches the tensor: for W one product over all steps' rows, X^T G.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class _Collect(torch.autograd.Function):
+    """The identity on a tensor; its backward hands over the `PassGradient`'s sum. It runs
+    after every step's backward, since every step reads its output."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, sink: PassGradient) -> Tensor:  # type: ignore[override]
+        ctx.sink = sink
+        ctx.set_materialize_grads(False)
+        return t.view_as(t)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None]:  # type: ignore[override]
+        total = ctx.sink.take()
+        if total is None or grad is None:
+            return (grad if total is None else total), None
+        return total + grad, None
+
+
+class PassGradient:
+    """Stands between a tensor and the steps of one pass that read `tensor` (module docstring).
+    Inactive (`tensor` is the input itself) without autograd, or with `defer` False."""
+
+    def __init__(self, t: Tensor, *, defer: bool = True) -> None:
+        self.active = defer and t.requires_grad and torch.is_grad_enabled()
+        self.tensor = _Collect.apply(t, self) if self.active else t
+        self._inputs: list[Tensor] = []
+        self._grads: list[Tensor] = []
+        self._dense: Tensor | None = None
+
+    def add_product(self, x: Tensor, g: Tensor) -> None:
+        """A step's part x^T g of a weight's gradient, x (b, K) and g (b, N)."""
+        self._inputs.append(x)
+        self._grads.append(g)
+
+    def add_rows(self, d: Tensor) -> None:
+        """A step's gradient `d` of the first d.size(0) rows; the other rows get none."""
+        if self._dense is None:  # zero-filled once a pass, not once a step
+            self._dense = d.new_zeros(self.tensor.shape)
+        self._dense[: d.size(0)].add_(d)
+
+    def take(self) -> Tensor | None:
+        """The sum so far (None if no step added to it), in the tensor's dtype; the next
+        backward starts afresh. Under autocast the steps' parts may be bf16: the product sums
+        them in float32."""
+        total, self._dense = self._dense, None
+        if self._inputs:
+            x, g = torch.cat(self._inputs).float(), torch.cat(self._grads).float()
+            product = x.t() @ g
+            total = product if total is None else total + product
+            self._inputs, self._grads = [], []
+        return None if total is None else total.to(self.tensor.dtype)
+
+
+class _Step(torch.autograd.Function):
+    """addmm(bias, x, W) whose backward gives the gradients of bias and x, and hands x and the
+    gate gradient to W's `PassGradient`."""
+
+    @staticmethod
+    def forward(ctx: Any, bias: Tensor, x: Tensor, weight: Tensor,  # type: ignore[override]
+                sink: PassGradient) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.sink, ctx.dtypes = sink, (bias.dtype, x.dtype)
+        return torch.addmm(bias, x, weight)  # under autocast, in its dtype
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        ctx.sink.add_product(x, g)
+        bias_dtype, x_dtype = ctx.dtypes
+        return g.to(bias_dtype), (g @ weight.t().to(g.dtype)).to(x_dtype), None, None
+
+
+class RecurrentProduct:
+    """bias_t + x_t W for every step of one pass (`__call__`), W's gradient formed once as
+    X^T G. `defer` False (a compiled pass) makes it a plain addmm. One per pass."""
+
+    def __init__(self, weight: Tensor, *, defer: bool = True) -> None:
+        self.grad = PassGradient(weight, defer=defer)
+
+    def __call__(self, bias: Tensor, x: Tensor) -> Tensor:
+        """bias (b, N) + x (b, K) @ W (K, N)."""
+        if not self.grad.active:
+            return torch.addmm(bias, x, self.grad.tensor)
+        return _Step.apply(bias, x, self.grad.tensor, self.grad)

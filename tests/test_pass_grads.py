@@ -1,0 +1,72 @@
+"""Gradients a teacher-forced pass sums in one place (`captioning.models.pass_grads`): every
+gradient equals plain autograd's over the same steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from captioning.models.pass_grads import PassGradient, RecurrentProduct
+
+ROWS = (5, 5, 4, 2, 1)  # a shrinking batch, as the decoder's: captions end one by one
+
+
+def _unrolled(weight: Tensor, keys: Tensor, bias: Tensor, x0: Tensor, *, defer: bool
+              ) -> Tensor:
+    """A toy pass: x_{t+1} = tanh(b_t + x_t W + (first rows of the keys) · x_t) on the rows
+    still running; the loss also reads W directly, outside the steps."""
+    product = RecurrentProduct(weight, defer=defer)
+    keys_grad = PassGradient(keys, defer=defer)
+    x, total = x0, x0.new_zeros(())
+    for t, rows in enumerate(ROWS):
+        k = keys_grad.tensor[:rows]
+        mixed = (k * x[:rows].unsqueeze(1)).sum(1)  # (rows, 6)
+        x = torch.tanh(product(bias[t, :rows], x[:rows]) + mixed)
+        total = total + (x * torch.arange(1.0, x.size(1) + 1)).sum()
+    return total + weight.square().sum()
+
+
+def _grads(defer: bool, retain: bool = False) -> list[Tensor]:
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(6, 6, generator=g) / 3).requires_grad_()
+    keys = (torch.randn(5, 3, 6, generator=g) / 3).requires_grad_()
+    bias = torch.randn(len(ROWS), 5, 6, generator=g).requires_grad_()
+    x0 = torch.randn(5, 6, generator=g).requires_grad_()
+    params = (weight, keys, bias, x0)
+    loss = _unrolled(weight.t(), keys, bias, x0, defer=defer)  # W a transposed view
+    loss.backward(retain_graph=retain)
+    grads = [p.grad.clone() for p in params]
+    if retain:  # a second backward through the retained graph sums afresh
+        for p in params:
+            p.grad = None
+        loss.backward()
+        grads += [p.grad.clone() for p in params]
+    return grads
+
+
+@pytest.mark.parametrize("retain", [False, True], ids=["once", "retained-graph-twice"])
+def test_gradients_equal_plain_autograd(retain: bool) -> None:
+    summed, plain = _grads(True, retain), _grads(False, retain)
+    assert len(summed) == (8 if retain else 4)
+    for a, b in zip(summed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert summed[0].abs().sum() > 0 and summed[1][:, :, :].abs().sum() > 0
+
+
+def test_the_sums_are_formed_in_one_place() -> None:
+    weight = torch.randn(4, 3, requires_grad=True)
+    product = RecurrentProduct(weight)
+    out = product(torch.zeros(2, 3), torch.randn(2, 4)) + product(torch.zeros(1, 3),
+                                                                   torch.randn(1, 4))
+    assert product.grad.active and product.grad.tensor.grad_fn is not None
+    out.sum().backward()
+    assert product.grad.take() is None  # handed over to autograd and cleared
+
+
+def test_without_autograd_it_is_plain_addmm() -> None:
+    w, b, x = torch.randn(4, 3, requires_grad=True), torch.randn(2, 3), torch.randn(2, 4)
+    with torch.no_grad():
+        product = RecurrentProduct(w)
+        assert not product.grad.active and product.grad.tensor is w
+        torch.testing.assert_close(product(b, x), torch.addmm(b, x, w))
