@@ -85,13 +85,15 @@ def read_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", *,
                     mmap: bool = False) -> dict[str, Any]:
     """torch.load with weights_only=True; every failure becomes a CheckpointError.
 
-    With `mmap` the tensors stay on disk (only the pickle is parsed), for a cheap safety check.
+    With `mmap` the tensors stay on disk (only the pickle is parsed). Either way every byte is
+    read once against the file's checksums first (`_check_checksums`).
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: checkpoint file does not exist")
     if not path.is_file():
         raise CheckpointError(f"{path}: is not a file")
+    _check_checksums(path)  # before loading; with `mmap` too (a resume's check)
     try:
         try:
             data = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -115,7 +117,6 @@ def read_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", *,
     except Exception as e:  # the many ways a corrupt or foreign file fails to unpickle
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint "
                               f"({type(e).__name__}: {_first_reason(str(e))})") from None
-    _check_checksums(path)  # with `mmap` too: a resume's check reads every byte once
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a checkpoint dict, got {type(data).__name__}")
     return data
@@ -123,17 +124,27 @@ def read_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", *,
 
 def _check_checksums(path: Path) -> None:
     """A zip-format checkpoint's entries against their stored CRC-32s: `torch.load` does not
-    check them, so a flipped bit in a tensor's bytes would load as a silently wrong weight."""
-    if not zipfile.is_zipfile(path):
-        return  # the legacy format stores no checksums
+    check them, so a flipped bit in a tensor's bytes would load as a silently wrong weight.
+    Reads every byte once. Entries saved without a checksum (CRC 0, `torch.serialization.
+    set_crc32_options(False)`) and the legacy format, which has none, are not checked."""
     try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":  # torch's own test for its zip format
+                return
         with zipfile.ZipFile(path) as z:
-            bad = z.testzip()
+            for info in z.infolist():
+                if info.CRC == 0 and info.file_size > 0:
+                    continue
+                try:
+                    with z.open(info) as entry:  # raises at the end on a CRC mismatch
+                        while entry.read(1 << 24):
+                            pass
+                except zipfile.BadZipFile:
+                    raise CheckpointError(
+                        f"{path}: corrupt checkpoint: the bytes of {info.filename} do not match "
+                        "their stored checksum (a damaged or partly overwritten file)") from None
     except (zipfile.BadZipFile, OSError, EOFError) as e:
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({e})") from None
-    if bad is not None:
-        raise CheckpointError(f"{path}: corrupt checkpoint: the bytes of {bad} do not match "
-                              "their stored checksum (a damaged or partly overwritten file)")
 
 
 def _first_reason(message: str) -> str:

@@ -26,11 +26,13 @@ def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
     return out
 
 
-def end_process_group() -> None:
-    """Tear the default process group down after a last barrier, so that the ranks leave
-    together and no gloo/NCCL thread or TCP store is still running when the interpreter exits
-    (an abort at exit otherwise: "terminate called without an active exception")."""
+def end_process_group(*, barrier: bool = True) -> None:
+    """Tear the default process group down, after a last `barrier` (skipped on an error path,
+    where another rank may never reach it), so that no gloo/NCCL thread or TCP store is still
+    running when the interpreter exits (an abort at exit otherwise: "terminate called without
+    an active exception")."""
     if not is_distributed():
         return
-    torch.distributed.barrier()
+    if barrier:
+        torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -4,6 +4,8 @@ scores, loss and every gradient to 1e-5."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,12 +51,13 @@ def fused(keys: Tensor, q: Tensor, w: Tensor) -> Tensor:
 def fused_summed(keys: Tensor, q: Tensor, w: Tensor) -> Tensor:
     """The fused score with the keys' gradient summed in place (`PassGradient`), as the
     decoder's teacher-forced pass runs it."""
-    sink = PassGradient(keys)
-    return AdditiveScore.apply(sink.tensor, q, w, sink)
+    keys, sink = PassGradient.through(keys)
+    return AdditiveScore.apply(keys, q, w, sink)
 
 
 @pytest.mark.parametrize("fn", [fused, fused_summed])
-def test_fused_score_backs_up_twice_through_a_retained_graph(fn) -> None:
+def test_fused_score_backs_up_twice_through_a_retained_graph(
+        fn: Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
     keys, q, w = (torch.randn(*s, requires_grad=True) for s in ((2, 3, 4), (2, 4), (1, 4)))
     e = fn(keys, q, w).sum()
     e.backward(retain_graph=True)

@@ -17,10 +17,10 @@ def _unrolled(weight: Tensor, keys: Tensor, bias: Tensor, x0: Tensor, *, defer: 
     """A toy pass: x_{t+1} = tanh(b_t + x_t W + (first rows of the keys) · x_t) on the rows
     still running; the loss also reads W directly, outside the steps."""
     product = RecurrentProduct(weight, defer=defer)
-    keys_grad = PassGradient(keys, defer=defer)
+    keys, _ = PassGradient.through(keys, defer=defer)  # its sum from plain slicing's grads
     x, total = x0, x0.new_zeros(())
     for t, rows in enumerate(ROWS):
-        k = keys_grad.tensor[:rows]
+        k = keys[:rows]
         mixed = (k * x[:rows].unsqueeze(1)).sum(1)  # (rows, 6)
         x = torch.tanh(product(bias[t, :rows], x[:rows]) + mixed)
         total = total + (x * torch.arange(1.0, x.size(1) + 1)).sum()
@@ -54,19 +54,40 @@ def test_gradients_equal_plain_autograd(retain: bool) -> None:
     assert summed[0].abs().sum() > 0 and summed[1][:, :, :].abs().sum() > 0
 
 
-def test_the_sums_are_formed_in_one_place() -> None:
+def test_the_sums_are_formed_in_one_place_and_freed_with_the_graph() -> None:
+    import gc
+    import weakref
+
     weight = torch.randn(4, 3, requires_grad=True)
     product = RecurrentProduct(weight)
     out = product(torch.zeros(2, 3), torch.randn(2, 4)) + product(torch.zeros(1, 3),
                                                                    torch.randn(1, 4))
-    assert product.grad.active and product.grad.tensor.grad_fn is not None
+    assert product.grad is not None and product.weight.grad_fn is not None
     out.sum().backward()
     assert product.grad.take() is None  # handed over to autograd and cleared
+    sink = weakref.ref(product.grad)
+    gc.disable()  # freed by reference counting alone, as each training step's graph must be
+    try:
+        del product, out
+        assert sink() is None
+    finally:
+        gc.enable()
+
+
+def test_the_keys_gradient_sums_only_running_rows() -> None:
+    keys = torch.randn(4, 3, 2, requires_grad=True)
+    seen, sink = PassGradient.through(keys)
+    assert sink is not None
+    sink.add_rows(torch.ones(2, 3, 2))
+    sink.add_rows(torch.ones(4, 3, 2))
+    total = sink.take()
+    assert total is not None and total[:2].eq(2).all() and total[2:].eq(1).all()
+    assert sink.take() is None and seen.grad_fn is not None
 
 
 def test_without_autograd_it_is_plain_addmm() -> None:
     w, b, x = torch.randn(4, 3, requires_grad=True), torch.randn(2, 3), torch.randn(2, 4)
     with torch.no_grad():
         product = RecurrentProduct(w)
-        assert not product.grad.active and product.grad.tensor is w
+        assert product.grad is None and product.weight is w
         torch.testing.assert_close(product(b, x), torch.addmm(b, x, w))

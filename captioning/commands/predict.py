@@ -48,10 +48,15 @@ def is_list_file(arg: str) -> bool:
     return arg.startswith("@") or Path(arg).suffix.lower() in LIST_EXTENSIONS
 
 
+def list_path(arg: str) -> Path:
+    """The file of a list-file argument (`@FILE` or FILE)."""
+    return Path(arg[1:] if arg.startswith("@") else arg)
+
+
 def read_list_file(arg: str) -> tuple[list[tuple[int, str]], str | None]:
     """The (line number, entry) pairs of a list file (relative entries joined to its folder),
     or a problem."""
-    path = Path(arg[1:] if arg.startswith("@") else arg)
+    path = list_path(arg)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -75,7 +80,7 @@ def expand_predict_inputs(args: Sequence[str]) -> Inputs:
             continue
         entries, problem = read_list_file(arg)
         problems += [problem] if problem else []
-        where = arg[1:] if arg.startswith("@") else arg
+        where = list_path(arg)
         for line, entry in entries:
             found = expand_inputs([entry])
             missing = not found.problems and not any(p.exists() for p in found.paths)
@@ -231,11 +236,15 @@ def _predict(a: argparse.Namespace, argv: list[str], model: LoadedModel,
     loader = predict_loader(paths, model.config.image_size, batch_size=a.batch_size,
                             num_workers=a.num_workers, world_size=trainer.num_devices * a.num_nodes,
                             pin_memory=a.accelerator != "cpu" and torch.cuda.is_available())
-    trainer.predict(build_module(model, a.beam_size, a.max_len), dataloaders=loader,
-                    return_predictions=False)
-    is_zero = trainer.is_global_zero
-    end_process_group()  # the ranks exit together, with no process-group thread left running
-    return writer.captioned, writer.failed, is_zero
+    ended = False
+    try:
+        trainer.predict(build_module(model, a.beam_size, a.max_len), dataloaders=loader,
+                        return_predictions=False)
+        ended = True
+    finally:  # the ranks leave together, with no process-group thread left running at exit
+        if trainer.world_size > 1:
+            end_process_group(barrier=ended)  # a failed rank: no barrier the others miss
+    return writer.captioned, writer.failed, trainer.is_global_zero
 
 
 def _relaunches(trainer: Any) -> bool:

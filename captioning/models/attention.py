@@ -126,8 +126,7 @@ class AdditiveAttention(Scorer):
         """Scores e_ti (b, L) from the previous hidden state h_{t-1} (b, H) and the keys."""
         q = self.query(h)  # (b, A)
         if keys.device.type == "cpu":  # one kernel chain instead of autograd's five (B, L, A) ops
-            sink = keys_grad if keys_grad is not None and keys_grad.active else None
-            return AdditiveScore.apply(keys, q, self.score.weight, sink)
+            return AdditiveScore.apply(keys, q, self.score.weight, keys_grad)
         k = keys[: q.size(0)]
         return self.score(torch.tanh(k + q.unsqueeze(1))).squeeze(-1)  # (b, L)
 

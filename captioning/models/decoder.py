@@ -311,8 +311,8 @@ class AttentionLSTMDecoder(nn.Module):
         word_gates = self._word_gates(emb).unbind(1)  # T x (B, 4H); unbind: one backward node
         # Gradients of W and the keys, summed over the steps in one place (models.pass_grads)
         recurrent = RecurrentProduct(self._recurrent_weight())
-        keys_grad = PassGradient(memory.keys)
-        mem_t = memory = Memory(memory.values, keys_grad.tensor)
+        keys, keys_grad = PassGradient.through(memory.keys)
+        mem_t = memory = Memory(memory.values, keys)
         ue = use_expected
         for t in range(T):
             while active > 0 and steps_cpu[active - 1] <= t:

@@ -8,6 +8,10 @@ tensor even when only a few captions are still running. Here a `PassGradient` st
 the tensor and the steps. Their backwards hand it their parts (W: the step's input rows and
 gate gradient; keys: the running rows' gradient, added in place), and it gives autograd the
 one sum when the backward reaches the tensor: for W one product over all steps' rows, X^T G.
+
+Made for `loss.backward()`: a backward that stops short of the tensor (`torch.autograd.grad`
+with other `inputs`, through a retained graph) would leave its parts for the next one. The
+pass is differentiable once (no double backward), as the CPU score kernel always was.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ class _Collect(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, t: Tensor, sink: PassGradient) -> Tensor:  # type: ignore[override]
-        ctx.sink = sink
+        ctx.sink = sink  # the sink holds no tensor of the graph: no reference cycle
         ctx.set_materialize_grads(False)
         return t.view_as(t)
 
@@ -38,15 +42,23 @@ class _Collect(torch.autograd.Function):
 
 
 class PassGradient:
-    """Stands between a tensor and the steps of one pass that read `tensor` (module docstring).
-    Inactive (`tensor` is the input itself) without autograd, or with `defer` False."""
+    """Where the steps of one pass sum their parts of one tensor's gradient (module
+    docstring). `through` puts one between a tensor and the steps."""
 
-    def __init__(self, t: Tensor, *, defer: bool = True) -> None:
-        self.active = defer and t.requires_grad and torch.is_grad_enabled()
-        self.tensor = _Collect.apply(t, self) if self.active else t
+    def __init__(self, like: Tensor) -> None:
+        self.shape, self.dtype = like.shape, like.dtype
         self._inputs: list[Tensor] = []
         self._grads: list[Tensor] = []
         self._dense: Tensor | None = None
+
+    @classmethod
+    def through(cls, t: Tensor, *, defer: bool = True) -> tuple[Tensor, PassGradient | None]:
+        """(the tensor the steps read, its `PassGradient`); (t, None) without autograd, or
+        with `defer` False (a compiled pass)."""
+        if not (defer and t.requires_grad and torch.is_grad_enabled()):
+            return t, None
+        sink = cls(t)
+        return _Collect.apply(t, sink), sink
 
     def add_product(self, x: Tensor, g: Tensor) -> None:
         """A step's part x^T g of a weight's gradient, x (b, K) and g (b, N)."""
@@ -56,7 +68,7 @@ class PassGradient:
     def add_rows(self, d: Tensor) -> None:
         """A step's gradient `d` of the first d.size(0) rows; the other rows get none."""
         if self._dense is None:  # zero-filled once a pass, not once a step
-            self._dense = d.new_zeros(self.tensor.shape)
+            self._dense = d.new_zeros(self.shape)
         self._dense[: d.size(0)].add_(d)
 
     def take(self) -> Tensor | None:
@@ -69,7 +81,7 @@ class PassGradient:
             product = x.t() @ g
             total = product if total is None else total + product
             self._inputs, self._grads = [], []
-        return None if total is None else total.to(self.tensor.dtype)
+        return None if total is None else total.to(self.dtype)
 
 
 class _Step(torch.autograd.Function):
@@ -97,10 +109,10 @@ class RecurrentProduct:
     X^T G. `defer` False (a compiled pass) makes it a plain addmm. One per pass."""
 
     def __init__(self, weight: Tensor, *, defer: bool = True) -> None:
-        self.grad = PassGradient(weight, defer=defer)
+        self.weight, self.grad = PassGradient.through(weight, defer=defer)
 
     def __call__(self, bias: Tensor, x: Tensor) -> Tensor:
         """bias (b, N) + x (b, K) @ W (K, N)."""
-        if not self.grad.active:
-            return torch.addmm(bias, x, self.grad.tensor)
-        return _Step.apply(bias, x, self.grad.tensor, self.grad)
+        if self.grad is None:
+            return torch.addmm(bias, x, self.weight)
+        return _Step.apply(bias, x, self.weight, self.grad)

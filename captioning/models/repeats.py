@@ -5,7 +5,8 @@ True)`; COCO has five per image). Their images, or their cached annotation grids
 rows repeated, and so is everything a frozen function computes from them: the CNN's grid
 (`Captioner.encode`) and the scorer's keys W_a a_i (`AttentionLSTMDecoder.memory`), the
 largest single product of a training step on the CPU. `per_distinct_row` runs such a function
-once per distinct row and hands each row its copy: the same values, less work.
+once per distinct row and hands each row its copy: the same values (up to the rounding of a
+product over fewer rows), less work.
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ from torch import Tensor
 
 #: Entries of each row read for the fingerprint that proposes repeats (then checked in full).
 FINGERPRINT_ENTRIES = 4096
+#: The integer type of each element size, to read a row's bits.
+BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Repeated rows a batch must hold (at least, and at least an eighth of it) to be merged.
 MIN_REPEATS = 4
 
 
 def repeated_rows(x: Tensor) -> tuple[Tensor, Tensor] | None:
     """(first, inverse) with `x[first][inverse]` equal to `x` (B, ...) entry for entry, where
-    `first` (U,) holds one row of each distinct value; None when too few rows repeat to pay
+    `first` (U,) holds one row of each distinct bit pattern; None when too few rows repeat to pay
     (`MIN_REPEATS`), or a fingerprint collision leaves it unproven. Reads it on the host."""
     B = x.size(0)
     if B < 2:
         return None
-    flat = x.reshape(B, -1)
-    bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
+    flat = x.contiguous().reshape(B, -1)
+    bits = flat.view(BITS[flat.element_size()])  # each entry's bits, as an integer
     stride = max(1, bits.size(1) // FINGERPRINT_ENTRIES)
     # An integer sum of the raw bits: equal rows give equal fingerprints, with no rounding.
     fingerprint = bits[:, ::stride].sum(dim=1, dtype=torch.int64)  # (B,)
@@ -41,8 +44,9 @@ def repeated_rows(x: Tensor) -> tuple[Tensor, Tensor] | None:
     first = torch.full((B - repeats,), B, device=x.device).scatter_reduce(0, inverse, rows, "amin")
     source = first[inverse]
     again = (source != rows).nonzero()[:, 0].tolist()  # rows that repeat an earlier one
-    # Row by row: views, where comparing gathered copies would cost three times as long.
-    if not all(torch.equal(flat[r], flat[s]) for r, s in zip(again, source[again].tolist())):
+    # Bit for bit (0.0 and -0.0 differ, NaN equals itself), row by row: views, where comparing
+    # gathered copies would cost three times as long.
+    if not all(torch.equal(bits[r], bits[s]) for r, s in zip(again, source[again].tolist())):
         return None  # two different rows share a fingerprint: run on every row
     return first, inverse
 
