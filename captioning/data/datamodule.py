@@ -423,7 +423,8 @@ class CaptionDataModule(L.LightningDataModule):
         if self.group_by_image or self.length_bucketing:
             # resumable: a mid-epoch checkpoint continues its epoch (see ResumableDataLoader)
             sampler = ImageBatchSampler(inner, self.batch_size, images=ds.pair_record,
-                                        seed=self.seed) if self.group_by_image else \
+                                        lengths=ds.lengths, seed=self.seed) \
+                if self.group_by_image else \
                 BucketBatchSampler(inner, self.batch_size, lengths=ds.lengths, seed=self.seed)
             return ResumableDataLoader(ds, batch_sampler=sampler, **self._loader_kwargs())
         # not resumable within an epoch: Lightning warns and starts that epoch's data afresh

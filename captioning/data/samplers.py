@@ -94,8 +94,10 @@ class ImageBatchSampler(BucketBatchSampler):
     """Batches that hold the captions of each image together: the images in a (seed, epoch)-
     determined order, each image's pairs in a row, cut into batches of `batch_size` (an
     image's captions are split only at a batch's edge). A frozen encoder and the scorer's key
-    projection then run once per image of a batch (`captioning.models.repeats`); the decoder
-    still shrinks its batch by length, so no recurrent step is spent on padding.
+    projection then run once per image of a batch (`captioning.models.repeats`). With
+    `lengths`, the images of each pool of `batch_size * bucket_size_multiplier` pairs are
+    ordered by their longest caption first, since a batch runs as many word steps as its
+    longest caption; the batches are then shuffled.
 
     `images` (N,): the image of each pair. Every pair lands in exactly one batch of the epoch.
     Under Lightning DDP the `sampler` argument is a `DistributedSampler`; only its rank,
@@ -106,9 +108,11 @@ class ImageBatchSampler(BucketBatchSampler):
 
     def __init__(self, sampler: Sampler[int] | Sequence[int], batch_size: int,
                  drop_last: bool = False, *, images: Sequence[int] | np.ndarray,
-                 seed: int = 0) -> None:
-        super().__init__(sampler, batch_size, drop_last, lengths=np.zeros(len(images)),
-                         seed=seed, shuffle=True)
+                 lengths: Sequence[int] | np.ndarray | None = None, seed: int = 0,
+                 bucket_size_multiplier: int = 100) -> None:
+        super().__init__(sampler, batch_size, drop_last, seed=seed, shuffle=True,
+                         lengths=np.zeros(len(images)) if lengths is None else lengths,
+                         bucket_size_multiplier=bucket_size_multiplier)
         self.images = np.asarray(images, dtype=np.int64)
 
     def __len__(self) -> int:
@@ -120,6 +124,11 @@ class ImageBatchSampler(BucketBatchSampler):
         starts = np.flatnonzero(np.r_[True, self.images[order][1:] != self.images[order][:-1]])
         groups = np.split(order, starts[1:])
         perm = np.random.default_rng([self.seed, self.epoch, 2]).permutation(len(groups))
+        longest = np.array([self.lengths[g].max() for g in groups]) if groups else order
+        pool = self.batch_size * self.bucket_size_multiplier  # pairs
+        sizes = np.cumsum([len(groups[i]) for i in perm]) // pool  # each image's pool
+        # Within a pool, images by their longest caption: a batch runs as long as its longest.
+        perm = perm[np.lexsort((-longest[perm], sizes))]
         pairs = np.concatenate([groups[i] for i in perm]) if groups else order
         share = len(self.sampler)  # pairs per rank
         rank = int(getattr(self.sampler, "rank", 0))
@@ -129,6 +138,8 @@ class ImageBatchSampler(BucketBatchSampler):
         batches = [pairs[s: s + b].tolist() for s in range(0, len(pairs), b)]
         if batches and self.drop_last and len(batches[-1]) < b:
             batches.pop()
+        shuffled = np.random.default_rng([self.seed, self.epoch, 1, rank]).permutation(len(batches))
+        batches = [batches[i] for i in shuffled]  # not the pools' long-to-short order
         start, self.start = self.start, 0
         yield from batches[start:]
 
