@@ -91,8 +91,8 @@ class CaptionDataModule(L.LightningDataModule):
     `skipped` ({"captions", "images", "image_files"}) and logged.
     Training batches are length-bucketed (`length_bucketing`), or with `group_by_image` hold
     each image's captions together, so that a frozen encoder and the key projection run once
-    per image (`ImageBatchSampler`): on the CPU, 2.3x for uncached training at issue 17's
-    benchmark setting, and slower with cached features there (docs/benchmarks.md).
+    per image (`ImageBatchSampler`): on the CPU at issue 17's benchmark setting, 2.3x for
+    uncached training and 1.04-1.16x with cached features (docs/benchmarks.md).
     `cache_verify`: how much of a feature cache is checked when opened (see `features`): every
     block's hash (`full`), each block on its first read (`lazy`), or sizes only (`size`).
     """
