@@ -83,6 +83,10 @@ class BucketBatchSampler(BatchSampler):
                 batch = chunk[s: s + b]
                 if len(batch) == b or not self.drop_last:
                     batches.append(batch.tolist())
+        yield from self._hand_out(batches)
+
+    def _hand_out(self, batches: list[list[int]]) -> Iterator[list[int]]:
+        """The pass's batches in a (seed, epoch)-shuffled order, from `start` on."""
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch, 1]).permutation(len(batches))
             batches = [batches[i] for i in order]
@@ -113,23 +117,24 @@ class ImageBatchSampler(BucketBatchSampler):
         super().__init__(sampler, batch_size, drop_last, seed=seed, shuffle=True,
                          lengths=np.zeros(len(images)) if lengths is None else lengths,
                          bucket_size_multiplier=bucket_size_multiplier)
-        self.images = np.asarray(images, dtype=np.int64)
+        images = np.asarray(images, dtype=np.int64)
+        # Each image's pairs and its longest caption, found once (not every epoch).
+        order = np.argsort(images, kind="stable")
+        starts = np.flatnonzero(np.r_[True, images[order][1:] != images[order][:-1]])
+        self.groups = np.split(order, starts[1:]) if len(order) else []
+        self.longest = np.maximum.reduceat(self.lengths[order], starts) if len(order) else order
+        self.sizes = np.diff(np.r_[starts, len(order)])
 
     def __len__(self) -> int:
         full, rest = divmod(len(self.sampler), self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = np.argsort(self.images, kind="stable")  # pairs grouped by image
-        starts = np.flatnonzero(np.r_[True, self.images[order][1:] != self.images[order][:-1]])
-        groups = np.split(order, starts[1:])
-        perm = np.random.default_rng([self.seed, self.epoch, 2]).permutation(len(groups))
-        longest = np.array([self.lengths[g].max() for g in groups]) if groups else order
-        pool = self.batch_size * self.bucket_size_multiplier  # pairs
-        sizes = np.cumsum([len(groups[i]) for i in perm]) // pool  # each image's pool
+        perm = np.random.default_rng([self.seed, self.epoch, 2]).permutation(len(self.groups))
+        pool = np.cumsum(self.sizes[perm]) // (self.batch_size * self.bucket_size_multiplier)
         # Within a pool, images by their longest caption: a batch runs as long as its longest.
-        perm = perm[np.lexsort((-longest[perm], sizes))]
-        pairs = np.concatenate([groups[i] for i in perm]) if groups else order
+        perm = perm[np.lexsort((-self.longest[perm], pool))]
+        pairs = np.concatenate([self.groups[i] for i in perm]) if len(perm) else perm
         share = len(self.sampler)  # pairs per rank
         rank = int(getattr(self.sampler, "rank", 0))
         total = share * int(getattr(self.sampler, "num_replicas", 1))
@@ -138,10 +143,7 @@ class ImageBatchSampler(BucketBatchSampler):
         batches = [pairs[s: s + b].tolist() for s in range(0, len(pairs), b)]
         if batches and self.drop_last and len(batches[-1]) < b:
             batches.pop()
-        shuffled = np.random.default_rng([self.seed, self.epoch, 1, rank]).permutation(len(batches))
-        batches = [batches[i] for i in shuffled]  # not the pools' long-to-short order
-        start, self.start = self.start, 0
-        yield from batches[start:]
+        yield from self._hand_out(batches)  # shuffled: not the pools' long-to-short order
 
 
 class ResumableDataLoader(DataLoader):
