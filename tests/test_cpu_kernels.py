@@ -79,34 +79,41 @@ def test_additive_attention_uses_the_fused_score_on_the_cpu() -> None:
 def reference_loss(dec: AttentionLSTMDecoder, feats: Tensor, caps: Tensor,
                    lengths: Tensor) -> Tensor:
     """The teacher-forced loss written out with nn.LSTMCell and the plain tanh score: every
-    caption runs every step, padding is masked out of the loss."""
+    caption runs every step, padding is masked out of the loss, and dropout (in training mode)
+    is drawn over the whole padded (B, T) batch."""
     keys = dec.attention.project(feats)
     mean = feats.mean(1)
     h, c = torch.tanh(dec.init_h(mean)), torch.tanh(dec.init_c(mean))
     T = int(lengths.max()) - 1
-    att, logits = dec.attention, []
+    att, embs, hs, zs = dec.attention, [], [], []
     for t in range(T):
         emb = dec.embed(caps[:, t])
         e = att.score(torch.tanh(keys + att.query(h).unsqueeze(1))).squeeze(-1)
         z = torch.bmm(F.softmax(e, -1).unsqueeze(1), feats).squeeze(1)
         z_hat = torch.sigmoid(dec.gate(h)) * z
         h, c = dec.lstm(torch.cat([emb, z_hat], 1), (h, c))
-        logits.append(dec.out(emb + dec.out_h(h) + dec.out_z(z_hat)))
+        embs.append(emb), hs.append(h), zs.append(z_hat)
+    emb, h, z_hat = (torch.stack(x, 1) for x in (embs, hs, zs))  # (B, T, ...)
+    logits = dec.out(dec.dropout(emb + dec.out_h(dec.dropout(h)) + dec.out_z(z_hat)))
     mask = torch.arange(T) < (lengths - 1).unsqueeze(1)
-    return F.cross_entropy(torch.stack(logits, 1)[mask], caps[:, 1: T + 1][mask])
+    return F.cross_entropy(logits[mask], caps[:, 1: T + 1][mask])
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["own-images", "five-per-image"])
-@pytest.mark.parametrize("dims", [(10, 49, 24, 20), (32, 196, 512, 512)],
-                         ids=["small", "issue17-size"])
+@pytest.mark.parametrize("grouped,dims,dropout", [
+    (False, (10, 49, 24, 20), 0.0), (True, (10, 49, 24, 20), 0.0),
+    (False, (32, 196, 512, 512), 0.0), (True, (32, 196, 512, 512), 0.0),
+    (False, (10, 49, 24, 20), 0.5), (True, (32, 196, 512, 512), 0.5)],
+    ids=["small-own-images", "small-five-per-image", "issue17-size-own-images",
+         "issue17-size-five-per-image", "small-dropout", "issue17-size-dropout"])
 def test_decoder_loss_and_gradients_equal_the_reference(dims: tuple[int, int, int, int],
-                                                        grouped: bool) -> None:
+                                                        grouped: bool, dropout: float) -> None:
     """The decoder's loss and every gradient equal the plain formulas', with an image per
-    caption and with five captions per image."""
+    caption and with five captions per image; with dropout, its masks are those nn.Dropout
+    draws over the padded batch from the same seed, though the decoder skips the padding."""
     B, L, D, H = dims
     torch.manual_seed(0)
     dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=D, embed_dim=H, hidden_dim=H,
-                               attn_dim=H, dropout=0.0)
+                               attn_dim=H, dropout=dropout)
     g = torch.Generator().manual_seed(2)
     feats = torch.randn(B, L, D, generator=g).relu()
     if grouped:  # caption i shows image i // 5, in a shuffled order
@@ -116,6 +123,7 @@ def test_decoder_loss_and_gradients_equal_the_reference(dims: tuple[int, int, in
     grads = []
     for run in ("decoder", "reference"):
         dec.zero_grad()
+        torch.manual_seed(3)  # the same dropout masks in both
         if run == "decoder":
             out = dec(feats, caps, lengths)
             mask = torch.arange(out.logits.size(1)) < (lengths - 1).unsqueeze(1)

@@ -7,7 +7,9 @@ The decoder exposes three calls that every decoding strategy needs:
 * `step(tokens, state, memory)` advances one word and returns log p(y_t), the state and α_t.
 
 `forward` is the teacher-forced pass used for training. It runs each step only on the captions
-that are still going (the batch is sorted by length), so no LSTM work is spent on padding.
+that are still going (the batch is sorted by length), and the products over every word position
+(the word gates, the deep output) on the real positions only (`captioning.models.packing`), so
+no work is spent on padding.
 With a fast path (`use_fast_path`) it instead runs every caption for a fixed number of steps
 (the batch's caption width, rounded up to a multiple of `bucket`) and masks the outputs past
 each caption's end: fixed shapes, so that `torch.compile` (`compile`) fuses the whole unrolled pass
@@ -28,7 +30,7 @@ ReLU layers (with dropout) on the mean annotation before the init MLPs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
@@ -44,6 +46,7 @@ from captioning.models.attention import (
     build_scorer,
     select,
 )
+from captioning.models.packing import PackedSteps, StepTrace
 from captioning.models.pass_grads import PassGradient, RecurrentProduct
 from captioning.models.repeats import per_distinct_row
 
@@ -78,26 +81,6 @@ class DecoderOutput:
     attn_log_probs: Tensor | None = None  # (B, T) log p(s_t | a) of the sampled locations
     attn_entropy: Tensor | None = None  # (B, T) H[α_t]
     sampled: Tensor | None = None  # (B,) bool: the caption used sampled (not expected) context
-
-
-@dataclass
-class _StepOutputs:
-    """Per-step outputs of a teacher-forced pass, collected in lists and stacked once: writing
-    into preallocated (B, T, ...) buffers would make autograd copy the buffer every step."""
-
-    hs: list[Tensor] = field(default_factory=list)  # h_t (b_t, H)
-    zs: list[Tensor] = field(default_factory=list)  # ẑ_t (b_t, D)
-    alphas: list[Tensor] = field(default_factory=list)  # α_t (b_t, L)
-    log_ps: list[Tensor] = field(default_factory=list)  # log p(s_t | a), sampling rules only
-    ents: list[Tensor] = field(default_factory=list)  # H[α_t], sampling rules only
-
-    def add(self, h: Tensor, z_hat: Tensor, sel: Selection) -> None:
-        self.hs.append(h)
-        self.zs.append(z_hat)
-        self.alphas.append(sel.alpha)
-        if sel.log_prob is not None and sel.entropy is not None:
-            self.log_ps.append(sel.log_prob)
-            self.ents.append(sel.entropy)
 
 
 class AttentionLSTMDecoder(nn.Module):
@@ -258,11 +241,26 @@ class AttentionLSTMDecoder(nn.Module):
         h = torch.sigmoid(o) * torch.tanh(c)
         return h, c, z_hat, sel
 
-    def _output(self, emb: Tensor, h: Tensor, z_hat: Tensor) -> Tensor:
+    def _output(self, emb: Tensor, h: Tensor, z_hat: Tensor, *,
+                keep: list[Tensor] | None = None) -> Tensor:
         """Deep output: p(y_t) ∝ exp(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t)) (Eq. 7, as printed;
-        capgen.py puts a tanh on the sum before L_o)."""
-        x = emb + self.out_h(self.dropout(h)) + self.out_z(z_hat)
-        return self.out(self.dropout(x))
+        capgen.py puts a tanh on the sum before L_o). `keep`: dropout's masks for h and the
+        sum, drawn by the caller (`_keep`); without them `self.dropout` draws its own."""
+        if keep is None:
+            x = emb + self.out_h(self.dropout(h)) + self.out_z(z_hat)
+            return self.out(self.dropout(x))
+        x = emb + self.out_h(h * keep[0]) + self.out_z(z_hat)
+        return self.out(x * keep[1])
+
+    def _keep(self, *shapes: tuple[int, ...]) -> list[Tensor]:
+        """Dropout's scaled keep masks of these shapes, drawn as nn.Dropout draws them on CPU and
+        CUDA (bernoulli_(1 − p), then / (1 − p)), in order; none when dropout is off."""
+        p = self.dropout.p
+        if not self.training or p == 0:
+            return []
+        w = self.out.weight
+        return [torch.empty(s, dtype=w.dtype, device=w.device).bernoulli_(1 - p).div_(1 - p)
+                if p < 1 else w.new_zeros(s) for s in shapes]
 
     def _training_rule(self) -> tuple[SelectRule, bool]:
         """(rule, semi-sample?) for the teacher-forced pass."""
@@ -290,60 +288,69 @@ class AttentionLSTMDecoder(nn.Module):
         if self._fixed is not None and captions.size(1) > 1:
             return self._forward_fixed(features, captions, steps, rule)
         steps_cpu = steps.tolist()
+        # The loop runs the captions longest first; outputs come back in the batch's order.
         order = sorted(range(len(steps_cpu)), key=lambda i: -steps_cpu[i])
-        is_sorted = order == list(range(len(order)))
-        if not is_sorted:
-            perm = torch.tensor(order, device=captions.device)
-            features, captions = features[perm], captions[perm]
+        perm = None if order == list(range(len(order))) else torch.tensor(
+            order, device=captions.device)
+        if perm is not None:
+            features = features[perm]
             steps_cpu = [steps_cpu[i] for i in order]
         B, T = captions.size(0), max(steps_cpu, default=0)
-        L = features.size(1)
+        if not T:
+            return self._no_words(features, B, rule)
+        pk = PackedSteps.of(steps_cpu, rows=order, device=captions.device)
 
         memory = self.memory(features)
         state = self.init_state(memory)
         h, c = state.h, state.c
-        emb = self.embed(captions[:, :T])  # (B, T, E): inputs y_0 .. y_{T-1}
+        emb = self.embed(pk.gather(captions[:, :T]))  # (N, E): inputs y_0 .. y_{T-1}, packed
         rule, semi = self._training_rule() if rule is None else (rule, False)
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
 
-        trace = _StepOutputs()
-        active = B
-        word_gates = self._word_gates(emb).unbind(1)  # T x (B, 4H); unbind: one backward node
+        trace = StepTrace()
+        # (b_t, 4H) a step; split: one backward node
+        word_gates = self._word_gates(emb).split(pk.running)
         # Gradients of W and the keys, summed over the steps in one place (models.pass_grads)
         recurrent = RecurrentProduct(self._recurrent_weight())
         keys, keys_grad = PassGradient.through(memory.keys)
         mem_t = memory = Memory(memory.values, keys)
         ue = use_expected
-        for t in range(T):
-            while active > 0 and steps_cpu[active - 1] <= t:
-                active -= 1  # captions are sorted longest first: shrink to those still going
+        for t, active in enumerate(pk.running):  # captions sorted longest first: b_t shrinks
             if active < h.size(0):  # slice only when the batch shrinks (slicing costs backward)
                 h, c = h[:active], c[:active]
                 # The scorer reads the first `active` rows of the keys itself: a sliced keys
                 # tensor would cost a zero-filled (B, L, K) gradient per slice in backward.
                 mem_t = Memory(memory.values[:active], memory.keys)
                 ue = use_expected[:active] if use_expected is not None else None
-            h, c, z_hat, sel = self._advance(word_gates[t][:active], h, c, mem_t, rule,
-                                             recurrent, ue, keys_grad)
+            h, c, z_hat, sel = self._advance(word_gates[t], h, c, mem_t, rule, recurrent, ue,
+                                             keys_grad)
             trace.add(h, z_hat, sel)
-        hs_bt = _stack_padded(trace.hs, B)  # (B, T, H)
-        zs_bt = _stack_padded(trace.zs, B)  # (B, T, D)
-        alphas = _stack_padded(trace.alphas, B) if T else emb.new_zeros(B, 0, L)  # (B, T, L)
-        logits = self._output(emb, hs_bt, zs_bt) if T else emb.new_zeros(B, 0, self.vocab_size)
+        # The deep output on the N real positions only; dropout's masks drawn over (B, T) as
+        # nn.Dropout would draw them on the padded batch as given: a seed gives the same dropout.
+        keep = [pk.gather(k) for k in self._keep((B, T, self.out_h.in_features),
+                                                 (B, T, self.out.in_features))]
+        logits = pk.scatter(self._output(emb, torch.cat(trace.hs), torch.cat(trace.zs),
+                                         keep=keep or None))  # (B, T, V), 0 past the ends
+        alphas = pk.padded(trace.alphas)  # (B, T, L)
         sampling = rule in ("sample", "gumbel")  # a location per step: log p(s_t | a) and H
-        log_ps = _stack_padded(trace.log_ps, B) if sampling and T else None  # (B, T)
-        ents = _stack_padded(trace.ents, B) if sampling and T else None
-        if sampling and not T:
-            log_ps, ents = emb.new_zeros(B, 0), emb.new_zeros(B, 0)
+        log_ps = pk.padded(trace.log_ps) if sampling else None  # (B, T)
+        ents = pk.padded(trace.ents) if sampling else None
 
         out = DecoderOutput(logits, alphas, log_ps, ents, None)
         if log_ps is not None and use_expected is not None:
-            out.sampled = ~use_expected
-        if not is_sorted:
-            inv = torch.empty_like(perm)
-            inv[perm] = torch.arange(B, device=perm.device)
-            out = DecoderOutput(*(None if x is None else x[inv] for x in (
-                out.logits, out.alphas, out.attn_log_probs, out.attn_entropy, out.sampled)))
+            out.sampled = ~use_expected if perm is None else torch.empty_like(
+                use_expected).index_copy_(0, perm, ~use_expected)
+        return out
+
+    def _no_words(self, features: Tensor, B: int, rule: SelectRule | None) -> DecoderOutput:
+        """`forward` of a batch with no word to predict: outputs with T = 0."""
+        rule, semi = self._training_rule() if rule is None else (rule, False)
+        sampling = rule in ("sample", "gumbel")
+        zeros = features.new_zeros
+        out = DecoderOutput(zeros(B, 0, self.vocab_size), zeros(B, 0, features.size(1)),
+                            zeros(B, 0) if sampling else None, zeros(B, 0) if sampling else None)
+        if sampling and semi:
+            out.sampled = ~self._semi_sampling_coin(B, features.device)
         return out
 
     def _forward_fixed(self, features: Tensor, captions: Tensor, steps: Tensor,
@@ -382,7 +389,7 @@ class AttentionLSTMDecoder(nn.Module):
         state = self.init_state(memory)
         h, c = state.h, state.c
         emb = self.embed(tokens)  # (B, T, E)
-        trace = _StepOutputs()
+        trace = StepTrace()
         word_gates = self._word_gates(emb).unbind(1)  # T x (B, 4H)
         recurrent = RecurrentProduct(self._recurrent_weight(), defer=False)  # compiled
         for t in range(tokens.size(1)):
@@ -393,7 +400,7 @@ class AttentionLSTMDecoder(nn.Module):
         hs_bt = torch.where(m, torch.stack(trace.hs, 1), 0.0)  # (B, T, H)
         zs_bt = torch.where(m, torch.stack(trace.zs, 1), 0.0)  # (B, T, D)
         alpha = torch.where(m, torch.stack(trace.alphas, 1), 0.0)  # (B, T, L)
-        logits = self._output(emb, hs_bt, zs_bt)  # (B, T, V)
+        logits = torch.where(m, self._output(emb, hs_bt, zs_bt), 0.0)  # (B, T, V)
         if not trace.log_ps:
             return logits, alpha, None, None
         return (logits, alpha, torch.where(mask, torch.stack(trace.log_ps, 1), 0.0),
@@ -436,10 +443,3 @@ def _init_trunk(dim: int, n_layers: int, dropout: float) -> nn.Sequential:
     for _ in range(n_layers - 1):
         layers += [nn.Linear(dim, dim), nn.ReLU(), nn.Dropout(dropout)]
     return nn.Sequential(*layers)
-
-
-def _stack_padded(rows: list[Tensor], batch: int) -> Tensor:
-    """Stack per-step tensors of shrinking batch (b_t, ...) into (batch, T, ...), zero padded."""
-    padded = [r if r.size(0) == batch else torch.cat(
-        [r, r.new_zeros(batch - r.size(0), *r.shape[1:])]) for r in rows]
-    return torch.stack(padded, dim=1)

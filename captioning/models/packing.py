@@ -1,0 +1,78 @@
+"""The word positions of a teacher-forced pass, packed: only those before each caption's end.
+
+A batch of B captions sorted longest first runs, at word step t, only its first b_t captions
+(those still going). `PackedSteps` lists those (caption, step) positions time-major, N = Σ_t b_t
+of them, so that the products over every position (the LSTM's word gates, the deep output) run
+on the N real positions and none of the (B, T) batch's padding, and the per-step outputs of the
+loop, (b_t, ...) each, concatenate into the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import torch
+from torch import Tensor
+
+from captioning.models.attention import Selection
+
+
+@dataclass(frozen=True)
+class PackedSteps:
+    """Time-major positions of captions sorted longest first: `running[t]` = b_t, and `index`
+    (N,) the flat position r · T + t of each in the (B, T) batch as given, r the sorted
+    caption's row there."""
+
+    batch: int  # B
+    steps: int  # T, the longest caption's word steps
+    running: list[int]  # b_t, captions still going at step t (non-increasing)
+    index: Tensor  # (N,) long
+
+    @classmethod
+    def of(cls, steps: list[int], *, rows: list[int] | None = None,
+           device: torch.device) -> PackedSteps:
+        """From each caption's word steps, sorted longest first, and each one's row in the
+        batch as given (`rows`; by default the batch is given sorted)."""
+        if any(a < b for a, b in pairwise(steps)):
+            raise ValueError("PackedSteps needs the captions sorted longest first")
+        B, T = len(steps), max(steps, default=0)
+        running = [sum(1 for s in steps if s > t) for t in range(T)]
+        n = torch.tensor(steps, dtype=torch.long)
+        tb = (torch.arange(T).unsqueeze(1) < n.unsqueeze(0)).nonzero()  # (N, 2): (t, b), t-major
+        row = torch.arange(B) if rows is None else torch.tensor(rows, dtype=torch.long)
+        return cls(B, T, running, (row[tb[:, 1]] * T + tb[:, 0]).to(device))
+
+    def gather(self, x: Tensor) -> Tensor:
+        """(B, T, ...) -> (N, ...): the packed positions of a batch-first tensor."""
+        return x.reshape(self.batch * self.steps, *x.shape[2:]).index_select(0, self.index)
+
+    def scatter(self, packed: Tensor) -> Tensor:
+        """(N, ...) -> (B, T, ...), zero at the padding."""
+        out = packed.new_zeros(self.batch * self.steps, *packed.shape[1:])
+        return out.index_copy(0, self.index, packed).view(self.batch, self.steps,
+                                                          *packed.shape[1:])
+
+    def padded(self, rows: list[Tensor]) -> Tensor:
+        """Per-step rows (b_t, ...), one tensor a step, -> (B, T, ...), zero at the padding."""
+        return self.scatter(torch.cat(rows))
+
+
+@dataclass
+class StepTrace:
+    """Per-step outputs of a teacher-forced pass, collected in lists and stacked once: writing
+    into preallocated (B, T, ...) buffers would make autograd copy the buffer every step."""
+
+    hs: list[Tensor] = field(default_factory=list)  # h_t (b_t, H)
+    zs: list[Tensor] = field(default_factory=list)  # ẑ_t (b_t, D)
+    alphas: list[Tensor] = field(default_factory=list)  # α_t (b_t, L)
+    log_ps: list[Tensor] = field(default_factory=list)  # log p(s_t | a), sampling rules only
+    ents: list[Tensor] = field(default_factory=list)  # H[α_t], sampling rules only
+
+    def add(self, h: Tensor, z_hat: Tensor, sel: Selection) -> None:
+        self.hs.append(h)
+        self.zs.append(z_hat)
+        self.alphas.append(sel.alpha)
+        if sel.log_prob is not None and sel.entropy is not None:
+            self.log_ps.append(sel.log_prob)
+            self.ents.append(sel.entropy)
