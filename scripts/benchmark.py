@@ -49,8 +49,8 @@ matmul rate. `--profile` runs `torch.profiler` over `--profile-steps` cached sof
 and prints the top ops by self CPU time. `--preset NAME` sets a named setting (`PRESETS`); flags
 given on the command line win.
 
-`--against REV [REV ...]` adds the cached soft row once more per revision, run by the project's
-code at that git revision (exported with `git archive`; its benchmark.py must read the same
+`--against REV [REV ...]` adds the cached soft row once more per revision (and the by-image row,
+when asked for and the revision has it), run by the project's code at that git revision (exported with `git archive`; its benchmark.py must read the same
 worker spec), in the same interleaved rounds: a before and after on one machine in one run.
 On CUDA every row then syncs around each step, as revisions before the GPU-timeline timer did.
 
@@ -74,7 +74,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from itertools import pairwise
+from itertools import pairwise, product
 from pathlib import Path
 from typing import Any
 
@@ -897,6 +897,10 @@ def train_configs(args: argparse.Namespace, weights: str,
         configs.append(("train, cached, soft, no bucketing", {"bucketing": False}))
     if "grouped" in rows:  # an image's captions in one batch: its keys projected once
         configs.append((GROUPED, {"group_by_image": True}))
+        for rev, code in (against or {}).items():  # revisions that have batches by image
+            if "group_by_image" in (Path(code) / "captioning" / "data" / "datamodule.py").read_text():
+                configs.append((f"{GROUPED}, code at {rev}", {"code": code,
+                                                              "group_by_image": True}))
         if "uncached" in rows:  # and the frozen CNN runs once per image
             configs.append(("train, uncached, soft, by image",
                             {"cached": False, "group_by_image": True}))
@@ -1076,10 +1080,11 @@ def _print_table(args: argparse.Namespace, batch: int, results: list[tuple[str, 
     if c and u:
         print(f"cached / uncached training, soft, CNN in channels_last: "
               f"{c['captions_per_s'] / u['captions_per_s']:.1f}x")
-    for rev in args.against:
-        c, k = by.get("train, cached, soft"), by.get(f"train, cached, soft, code at {rev}")
+    for rev, (row, what) in product(args.against, (
+            ("train, cached, soft", "cached soft training"), (GROUPED, "by image"))):
+        c, k = by.get(row), by.get(f"{row}, code at {rev}")
         if c and k:
-            print(f"cached soft training, this code / the code at {rev}: "
+            print(f"{what}, this code / the code at {rev}: "
                   f"{c['captions_per_s'] / k['captions_per_s']:.2f}x (medians), "
                   f"{c['mean_captions_per_s'] / k['mean_captions_per_s']:.2f}x (means)")
     for mode in ("compile", "graphs"):

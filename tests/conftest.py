@@ -103,6 +103,33 @@ def _write_karpathy(path: Path, images: Sequence[dict[str, Any]], *,
     return path
 
 
+def write_tiny_coco(root: Path) -> Path:
+    """12 small JPEGs under root/train2014 and root/val2014 (8 train, 2 val, 2 test images, two
+    captions each) and their root/dataset_coco.json, in Karpathy's COCO layout."""
+    words = ["a red square", "a blue circle", "a green square", "a red circle"]
+    specs = []
+    for i in range(12):
+        split = "train" if i < 8 else "val" if i < 10 else "test"
+        folder = "train2014" if split == "train" else "val2014"
+        _write_png(root / folder / f"{i}.jpg", color=(20 * i, 100, 200 - 10 * i), size=(40, 30))
+        specs.append({"id": 100 + i, "filename": f"{i}.jpg", "split": split, "filepath": folder,
+                      "captions": [words[i % 4], words[(i + 1) % 4]]})
+    return _write_karpathy(root / "dataset_coco.json", specs)
+
+
+def paper_shrink_args(work: Path) -> list[str]:
+    """Overrides that shrink a paper config (trainer/gpu*, data/coco, paper_*) to run here: the
+    CPU, fp32, random VGG-19 weights, 64 px images, two steps, no loader workers."""
+    return ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
+            "--trainer.max_steps", "2", "--trainer.num_sanity_val_steps", "0",
+            "--trainer.enable_progress_bar", "false",
+            "--data.vocab_path", str(work / "vocab.json"), "--data.min_word_count", "1",
+            "--data.image_size", "64", "--data.batch_size", "4", "--data.eval_batch_size", "4",
+            "--data.num_workers", "0", "--data.pin_memory", "false",
+            "--data.persistent_workers", "false",
+            "--model.net.weights", "null", "--model.decode.max_len", "6"]
+
+
 @pytest.fixture
 def write_karpathy() -> Callable[..., Path]:
     """write_karpathy(path, images, *, layout="coco"|"flickr") -> path (see _write_karpathy)."""

@@ -80,6 +80,27 @@ def test_against_a_revision_adds_its_row(tmp_path: Path) -> None:
     assert len(exported) == 2
 
 
+def test_against_adds_the_by_image_row_for_revisions_that_have_it(tmp_path: Path) -> None:
+    """With `grouped` asked for, an `--against` revision whose data module has batches by image
+    gets its by-image row too; an older one only its cached soft row."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchmark
+
+    exports = {}
+    for rev, text in (("new", "group_by_image: bool = False"), ("old", "bucketing: bool")):
+        module = tmp_path / rev / "captioning" / "data" / "datamodule.py"
+        module.parent.mkdir(parents=True)
+        module.write_text(f"class CaptionDataModule:\n    {text}\n")
+        exports[rev] = str(tmp_path / rev)
+    args = benchmark.parse_args(["--rows", "cached,grouped", "--attentions", "soft"])
+    names = [name for name, _ in benchmark.train_configs(args, "w.pt", exports)]
+    assert f"{benchmark.GROUPED}, code at new" in names
+    assert f"{benchmark.GROUPED}, code at old" not in names
+    assert {"train, cached, soft, code at new", "train, cached, soft, code at old"} <= set(names)
+    spec = dict(benchmark.train_configs(args, "w.pt", exports))[f"{benchmark.GROUPED}, code at new"]
+    assert spec == {"code": exports["new"], "group_by_image": True}
+
+
 def test_summary_of_gpu_timeline_periods_and_of_host_steps() -> None:
     """A CUDA round's steps are its GPU-timeline periods (no per-step sync); a CPU round's
     are host step plus wait. A compiling step's outlier moves the mean, not the median."""

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import shapes_cli_args
+from conftest import paper_shrink_args, shapes_cli_args, write_tiny_coco
 
 from captioning.cli import main
 from captioning.commands.configs import CONFIG_DIR
@@ -113,3 +113,33 @@ def test_demo_config_shrunk_fits(attention: str, shapes_root: Path, tmp_path: Pa
     if attention == "hard":
         assert "train/baseline" in csv and "train/attn_entropy" in csv
     json.dumps(ckpt["hyper_parameters"])  # plain data only
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_readme_paper_command_shrunk_trains_and_tests(
+        attention: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's COCO command, `captioning fit --config trainer/gpu --config data/coco --config
+    paper_<attention>` with the split file and image folder given, on a tiny dataset in the
+    dataset_coco.json layout; then `captioning test` of its checkpoint. Shrunk to run here
+    (`paper_shrink_args`)."""
+    from captioning.commands.lightning import wandb_dirs
+
+    monkeypatch.chdir(tmp_path)  # the config's runs/paper is relative, as for a user
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for k, v in wandb_dirs(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    split_file = write_tiny_coco(tmp_path / "coco")
+    readme = ["--config", "trainer/gpu", "--config", "data/coco",
+              "--config", f"paper_{attention}",
+              "--data.source.split_file", str(split_file),
+              "--data.source.image_root", str(tmp_path / "coco")]
+    main(["fit", *readme, *paper_shrink_args(tmp_path)])
+    ckpt_path = tmp_path / "runs" / "paper" / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    assert ckpt["global_step"] == 2
+    net = ckpt["captioning_model_config"]
+    assert (net["backbone"], net["hidden_dim"], net["attention"]) == ("vgg19", 1800, attention)
+    main(["test", *readme, *paper_shrink_args(tmp_path), "--ckpt_path", str(ckpt_path)])
+    metrics = json.loads(next((tmp_path / "runs" / "paper").rglob("test_metrics.json"))
+                         .read_text())
+    assert "BLEU-4" in json.dumps(metrics)

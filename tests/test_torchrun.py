@@ -66,6 +66,72 @@ def test_torchrun_two_processes_train_one_epoch(shapes_dm_kwargs: dict[str, Any]
     assert ckpt["global_step"] == len(lines[0])  # one optimiser step per batch of each rank
 
 
+SRUN_STUB = """#!/bin/bash
+# srun for the test: log the command, then run it here as one task with the test's overrides.
+while [[ $# -gt 0 && $1 == --* ]]; do shift 2; done   # srun's own options, each with a value
+[[ $1 == captioning ]] && shift
+echo "$*" >> "$SRUN_LOG"
+[[ -n ${SRUN_DRY:-} ]] && exit 0
+mapfile -t extra < "$SRUN_EXTRA"
+exec "$PYTHON" -m captioning.cli "$@" "${extra[@]}"
+"""
+
+
+def _sbatch(tmp_path: Path, nodes: int, tasks: int, **env: str) -> list[list[str]]:
+    """Run scripts/slurm_train.sbatch under bash, as SLURM would on `nodes` x `tasks`, with a
+    stub `srun` on PATH; the srun commands it gave, split into words."""
+    stub = tmp_path / "bin" / "srun"
+    stub.parent.mkdir(exist_ok=True)
+    stub.write_text(SRUN_STUB)
+    stub.chmod(0o755)
+    log = tmp_path / "srun.log"
+    log.unlink(missing_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "WANDB_"))}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "slurm_train.sbatch")], cwd=tmp_path,
+        capture_output=True, text=True, timeout=900,
+        env={**base, "PATH": f"{stub.parent}{os.pathsep}{base['PATH']}", "PYTHON": sys.executable,
+             "SRUN_LOG": str(log), "SLURM_NTASKS_PER_NODE": str(tasks),
+             "SLURM_JOB_NUM_NODES": str(nodes), "OMP_NUM_THREADS": "1", **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [line.split() for line in log.read_text().splitlines()]
+
+
+def _flag(words: list[str], name: str) -> str:
+    return words[words.index(name) + 1]
+
+
+def test_slurm_script_composes_the_launch(tmp_path: Path) -> None:
+    """On 2 nodes x 8 GPUs: the cache once, then `fit` on every task, with the nodes, the GPUs
+    per node and the square-root learning rate of 16 GPUs."""
+    cache, fit = _sbatch(tmp_path, 2, 8, SRUN_DRY="1", DATA="/data/coco")
+    assert cache[0] == "cache-features" and _flag(cache, "--data.cache_dir") == "/data/coco/features"
+    assert fit[0] == "fit" and fit[fit.index("--config") + 1] == "trainer/gpu_ddp"
+    assert (_flag(fit, "--trainer.num_nodes"), _flag(fit, "--trainer.devices")) == ("2", "8")
+    assert abs(float(_flag(fit, "--model.decoder_lr")) - 2e-4 * 16 ** 0.5) < 1e-12
+    assert _flag(fit, "--ckpt_path") == "last"
+
+
+def test_slurm_script_runs_shrunk(tmp_path: Path) -> None:
+    """The script's two commands run for real on one node x one task, shrunk to the CPU: the
+    cache is built, then `fit` trains on it (from scratch: there is no last.ckpt yet) and
+    leaves last.ckpt."""
+    from conftest import paper_shrink_args, write_tiny_coco
+
+    from captioning.commands.lightning import wandb_dirs
+
+    write_tiny_coco(tmp_path / "coco")
+    (tmp_path / "extra.txt").write_text("\n".join(paper_shrink_args(tmp_path)) + "\n")
+    cache, fit = _sbatch(tmp_path, 1, 1, DATA=str(tmp_path / "coco"),
+                         CACHE=str(tmp_path / "cache"), SRUN_EXTRA=str(tmp_path / "extra.txt"),
+                         WANDB_MODE="offline", **wandb_dirs(tmp_path))
+    assert cache[0] == "cache-features" and fit[0] == "fit"
+    assert list((tmp_path / "cache").rglob("*.npy")), "the feature cache was built"
+    ckpt = torch.load(tmp_path / "runs" / "paper" / "checkpoints" / "last.ckpt",
+                      weights_only=True)
+    assert ckpt["global_step"] == 2
+
+
 def test_slurm_script_parses() -> None:
     script = ROOT / "scripts" / "slurm_train.sbatch"
     proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
