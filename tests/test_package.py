@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import shapes_cli_args
 
 from captioning.cli import main
@@ -132,10 +133,12 @@ def test_missing_pretrained_weights_offline_is_one_line(shapes_root: Path,
     assert not list((home / "hub" / "checkpoints").glob("*.pth*")), "no partial download left"
 
 
-def test_demo_prints_each_line_once(shapes_root: Path, tmp_path: Path) -> None:
-    """The demo's console output: no line twice, none of the library messages about wiring."""
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_demo_prints_each_line_once(attention: str, shapes_root: Path, tmp_path: Path) -> None:
+    """The demo's console output (`make demo`, and `make demo-hard`: `--attention hard`): no
+    line twice, none of the library messages about wiring."""
     run = tmp_path / "run"
-    out = _run(["demo", "--run-dir", str(run), "--samples", "2",
+    out = _run(["demo", "--attention", attention, "--run-dir", str(run), "--samples", "2",
                 *shapes_cli_args(shapes_root), "--data.cache_dir", str(tmp_path / "features"),
                 "--model.net.weights", "null", "--model.decode.max_len", "6",
                 "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
@@ -152,3 +155,5 @@ def test_demo_prints_each_line_once(shapes_root: Path, tmp_path: Path) -> None:
         assert message not in text, message
     assert "INFO: Seed set to 0" in text  # Lightning's lines still show, once
     assert "Shapes test split" in out.stdout
+    ckpt = torch.load(next(run.rglob("last.ckpt")), weights_only=True)
+    assert ckpt["captioning_model_config"]["attention"] == attention
