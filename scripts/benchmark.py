@@ -49,9 +49,10 @@ matmul rate. `--profile` runs `torch.profiler` over `--profile-steps` cached sof
 and prints the top ops by self CPU time. `--preset NAME` sets a named setting (`PRESETS`); flags
 given on the command line win.
 
-`--against REV [REV ...]` adds the cached soft row once more per revision (and the by-image row,
-when asked for and the revision has it), run by the project's code at that git revision (exported with `git archive`; its benchmark.py must read the same
-worker spec), in the same interleaved rounds: a before and after on one machine in one run.
+`--against REV [REV ...]` adds the cached soft row once more per revision (and the by-image
+row, when asked for and the revision has it), run by the project's code at that git revision
+(exported with `git archive`; its benchmark.py must read the same worker spec), in the same
+interleaved rounds: a before and after on one machine in one run.
 On CUDA every row then syncs around each step, as revisions before the GPU-timeline timer did.
 
 On CUDA a step's time is its span on the GPU timeline (CUDA events, no sync per step: the
@@ -898,7 +899,8 @@ def train_configs(args: argparse.Namespace, weights: str,
     if "grouped" in rows:  # an image's captions in one batch: its keys projected once
         configs.append((GROUPED, {"group_by_image": True}))
         for rev, code in (against or {}).items():  # revisions that have batches by image
-            if "group_by_image" in (Path(code) / "captioning" / "data" / "datamodule.py").read_text():
+            module = Path(code) / "captioning" / "data" / "datamodule.py"
+            if "group_by_image" in module.read_text():
                 configs.append((f"{GROUPED}, code at {rev}", {"code": code,
                                                               "group_by_image": True}))
         if "uncached" in rows:  # and the frozen CNN runs once per image

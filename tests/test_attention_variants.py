@@ -32,6 +32,7 @@ from captioning.models.attention import (
     sample_gumbel,
     select,
 )
+from captioning.models.packing import PackedSteps
 from captioning.objectives import (
     GumbelStraightThrough,
     MaximumLikelihood,
@@ -181,11 +182,13 @@ def test_gumbel_context_is_exactly_a_grid_vector() -> None:
                         lengths=b.lengths[order])
     out = dec(b.images, b.captions, b.lengths)
     assert bool(out.sampled.all())
-    (z,) = contexts  # (B, T, D): every step's context, in one call
-    mask = target_mask(b.lengths, z.size(1))
-    for i, t in mask.nonzero().tolist():
-        matches = (b.images[i] == z[i, t]).all(-1)  # which grid vectors equal it, bit for bit
-        assert int(matches.sum()) == 1, (i, t)
+    (z,) = contexts  # (N, D): every real word position's context, packed, in one call
+    pk = PackedSteps.of((b.lengths - 1).tolist(), device=z.device)
+    assert z.size(0) == len(pk.index) == int((b.lengths - 1).sum())
+    for row, position in enumerate(pk.index.tolist()):
+        i = position // pk.steps  # the caption of this packed row
+        matches = (b.images[i] == z[row]).all(-1)  # which grid vectors equal it, bit for bit
+        assert int(matches.sum()) == 1, (i, position)
 
 
 def test_gumbel_likelihood_trains_the_scorer_through_the_sample() -> None:

@@ -12,7 +12,7 @@ from captioning.models.packing import PackedSteps
 def test_positions_are_time_major_rows_of_the_batch_as_given() -> None:
     # Sorted steps 3, 2, 2, 0 are the given batch's rows 2, 0, 3 and 1.
     pk = PackedSteps.of([3, 2, 2, 0], rows=[2, 0, 3, 1], device=torch.device("cpu"))
-    assert (pk.batch, pk.steps, pk.running) == (4, 3, [3, 3, 1])
+    assert (pk.batch, pk.steps, pk.running) == (4, 3, (3, 3, 1))
     # t = 0: rows 2, 0, 3; t = 1: rows 2, 0, 3; t = 2: row 2 (flat position r * T + t)
     assert pk.index.tolist() == [6, 0, 9, 7, 1, 10, 8]
 
@@ -31,9 +31,32 @@ def test_scatter_undoes_gather_and_zeroes_the_padding() -> None:
     torch.testing.assert_close(pk.padded(rows), pk.scatter(packed), rtol=0, atol=0)
 
 
-def test_steps_must_come_sorted_longest_first() -> None:
+def test_steps_must_come_sorted_longest_first_and_tensors_batch_first() -> None:
     with pytest.raises(ValueError, match="sorted longest first"):
         PackedSteps.of([2, 3], device=torch.device("cpu"))
+    pk = PackedSteps.of([3, 2], device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"expected \(2, 3, ...\)"):
+        pk.gather(torch.zeros(3, 2, 4))  # time-major: refused, not gathered wrongly
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_dropout_drops_what_nn_dropout_drops_on_the_padded_batch(
+        dtype: torch.dtype) -> None:
+    steps_given = [2, 4, 1, 4, 3]
+    order = sorted(range(5), key=lambda i: -steps_given[i])
+    pk = PackedSteps.of([steps_given[i] for i in order], rows=order, device=torch.device("cpu"))
+    x = torch.randn(5, 4, 16).to(dtype)
+    torch.manual_seed(7)
+    want = pk.gather(torch.nn.Dropout(0.3)(x))  # dropout of the padded batch, then packed
+    torch.manual_seed(7)
+    got = pk.dropout(0.3, training=True)(pk.gather(x))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                               atol=0)
+    assert bool(got.eq(0).any()) and bool(got.ne(0).any())
+    packed = pk.gather(x)
+    assert pk.dropout(0.3, training=False)(packed) is packed
+    assert pk.dropout(0.0, training=True)(packed) is packed
 
 
 @pytest.mark.parametrize("training", [False, True])
@@ -54,3 +77,21 @@ def test_decoder_outputs_are_zero_past_each_end_and_follow_the_batch_order(
     ref = dec(feats[order], caps[order], lengths[order])
     torch.testing.assert_close(out.logits[order], ref.logits, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out.alphas[order], ref.alphas, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", [None, "expected"])
+def test_a_batch_without_words_gives_empty_outputs(rule: str | None) -> None:
+    """Every caption is <start> alone: no word to predict, T = 0. Hard attention in training
+    samples, so it gives empty log p(s) and H, and which captions semi-sampled; a forced rule
+    does not."""
+    dec = AttentionLSTMDecoder(vocab_size=30, feature_dim=8, embed_dim=6, hidden_dim=7,
+                               attn_dim=5, attention="hard").train()
+    out = dec(torch.randn(3, 4, 8), torch.ones(3, 1, dtype=torch.long), torch.ones(3).long(),
+              rule=rule)
+    assert out.logits.shape == (3, 0, 30) and out.alphas.shape == (3, 0, 4)
+    if rule is None:
+        assert out.attn_log_probs is not None and out.attn_log_probs.shape == (3, 0)
+        assert out.attn_entropy is not None and out.attn_entropy.shape == (3, 0)
+        assert out.sampled is not None and out.sampled.shape == (3,)
+    else:
+        assert out.attn_log_probs is None and out.sampled is None

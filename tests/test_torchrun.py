@@ -105,7 +105,8 @@ def test_slurm_script_composes_the_launch(tmp_path: Path) -> None:
     """On 2 nodes x 8 GPUs: the cache once, then `fit` on every task, with the nodes, the GPUs
     per node and the square-root learning rate of 16 GPUs."""
     cache, fit = _sbatch(tmp_path, 2, 8, SRUN_DRY="1", DATA="/data/coco")
-    assert cache[0] == "cache-features" and _flag(cache, "--data.cache_dir") == "/data/coco/features"
+    assert cache[0] == "cache-features"
+    assert _flag(cache, "--data.cache_dir") == "/data/coco/features"
     assert fit[0] == "fit" and fit[fit.index("--config") + 1] == "trainer/gpu_ddp"
     assert (_flag(fit, "--trainer.num_nodes"), _flag(fit, "--trainer.devices")) == ("2", "8")
     assert abs(float(_flag(fit, "--model.decoder_lr")) - 2e-4 * 16 ** 0.5) < 1e-12

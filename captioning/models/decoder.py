@@ -7,9 +7,9 @@ The decoder exposes three calls that every decoding strategy needs:
 * `step(tokens, state, memory)` advances one word and returns log p(y_t), the state and α_t.
 
 `forward` is the teacher-forced pass used for training. It runs each step only on the captions
-that are still going (the batch is sorted by length), and the products over every word position
-(the word gates, the deep output) on the real positions only (`captioning.models.packing`), so
-no work is spent on padding.
+that are still going (it sorts them longest first; outputs come back in the batch's order),
+and the products over every word position (the word gates, the deep output) on the real
+positions only (`captioning.models.packing`), so no work is spent on padding.
 With a fast path (`use_fast_path`) it instead runs every caption for a fixed number of steps
 (the batch's caption width, rounded up to a multiple of `bucket`) and masks the outputs past
 each caption's end: fixed shapes, so that `torch.compile` (`compile`) fuses the whole unrolled pass
@@ -76,7 +76,7 @@ class DecoderState(NamedTuple):
 class DecoderOutput:
     """Teacher-forced outputs for T = max(lengths) - 1 predicted words."""
 
-    logits: Tensor  # (B, T, V)
+    logits: Tensor  # (B, T, V), zero past each caption's end
     alphas: Tensor  # (B, T, L), zero past each caption's end
     attn_log_probs: Tensor | None = None  # (B, T) log p(s_t | a) of the sampled locations
     attn_entropy: Tensor | None = None  # (B, T) H[α_t]
@@ -242,25 +242,13 @@ class AttentionLSTMDecoder(nn.Module):
         return h, c, z_hat, sel
 
     def _output(self, emb: Tensor, h: Tensor, z_hat: Tensor, *,
-                keep: list[Tensor] | None = None) -> Tensor:
+                dropout: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """Deep output: p(y_t) ∝ exp(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t)) (Eq. 7, as printed;
-        capgen.py puts a tanh on the sum before L_o). `keep`: dropout's masks for h and the
-        sum, drawn by the caller (`_keep`); without them `self.dropout` draws its own."""
-        if keep is None:
-            x = emb + self.out_h(self.dropout(h)) + self.out_z(z_hat)
-            return self.out(self.dropout(x))
-        x = emb + self.out_h(h * keep[0]) + self.out_z(z_hat)
-        return self.out(x * keep[1])
-
-    def _keep(self, *shapes: tuple[int, ...]) -> list[Tensor]:
-        """Dropout's scaled keep masks of these shapes, drawn as nn.Dropout draws them on CPU and
-        CUDA (bernoulli_(1 − p), then / (1 − p)), in order; none when dropout is off."""
-        p = self.dropout.p
-        if not self.training or p == 0:
-            return []
-        w = self.out.weight
-        return [torch.empty(s, dtype=w.dtype, device=w.device).bernoulli_(1 - p).div_(1 - p)
-                if p < 1 else w.new_zeros(s) for s in shapes]
+        capgen.py puts a tanh on the sum before L_o). `dropout`: in place of `self.dropout`
+        (the packed pass's, `PackedSteps.dropout`)."""
+        drop = self.dropout if dropout is None else dropout
+        x = emb + self.out_h(drop(h)) + self.out_z(z_hat)
+        return self.out(drop(x))
 
     def _training_rule(self) -> tuple[SelectRule, bool]:
         """(rule, semi-sample?) for the teacher-forced pass."""
@@ -285,8 +273,9 @@ class AttentionLSTMDecoder(nn.Module):
         uses the expected context, and hard samples while training and decodes otherwise.
         """
         steps = (lengths - 1).clamp_min(0)  # words to predict per caption
+        rule, semi = self._training_rule() if rule is None else (rule, False)
         if self._fixed is not None and captions.size(1) > 1:
-            return self._forward_fixed(features, captions, steps, rule)
+            return self._forward_fixed(features, captions, steps, rule, semi)
         steps_cpu = steps.tolist()
         # The loop runs the captions longest first; outputs come back in the batch's order.
         order = sorted(range(len(steps_cpu)), key=lambda i: -steps_cpu[i])
@@ -297,14 +286,13 @@ class AttentionLSTMDecoder(nn.Module):
             steps_cpu = [steps_cpu[i] for i in order]
         B, T = captions.size(0), max(steps_cpu, default=0)
         if not T:
-            return self._no_words(features, B, rule)
+            return self._no_words(features, B, rule, semi)
         pk = PackedSteps.of(steps_cpu, rows=order, device=captions.device)
 
         memory = self.memory(features)
         state = self.init_state(memory)
         h, c = state.h, state.c
         emb = self.embed(pk.gather(captions[:, :T]))  # (N, E): inputs y_0 .. y_{T-1}, packed
-        rule, semi = self._training_rule() if rule is None else (rule, False)
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
 
         trace = StepTrace()
@@ -325,12 +313,10 @@ class AttentionLSTMDecoder(nn.Module):
             h, c, z_hat, sel = self._advance(word_gates[t], h, c, mem_t, rule, recurrent, ue,
                                              keys_grad)
             trace.add(h, z_hat, sel)
-        # The deep output on the N real positions only; dropout's masks drawn over (B, T) as
-        # nn.Dropout would draw them on the padded batch as given: a seed gives the same dropout.
-        keep = [pk.gather(k) for k in self._keep((B, T, self.out_h.in_features),
-                                                 (B, T, self.out.in_features))]
-        logits = pk.scatter(self._output(emb, torch.cat(trace.hs), torch.cat(trace.zs),
-                                         keep=keep or None))  # (B, T, V), 0 past the ends
+        # The deep output on the N real positions only, its dropout masks drawn for (B, T)
+        logits = pk.scatter(self._output(  # (B, T, V), zero past each caption's end
+            emb, torch.cat(trace.hs), torch.cat(trace.zs),
+            dropout=pk.dropout(self.dropout.p, self.dropout.training)))
         alphas = pk.padded(trace.alphas)  # (B, T, L)
         sampling = rule in ("sample", "gumbel")  # a location per step: log p(s_t | a) and H
         log_ps = pk.padded(trace.log_ps) if sampling else None  # (B, T)
@@ -342,11 +328,11 @@ class AttentionLSTMDecoder(nn.Module):
                 use_expected).index_copy_(0, perm, ~use_expected)
         return out
 
-    def _no_words(self, features: Tensor, B: int, rule: SelectRule | None) -> DecoderOutput:
+    def _no_words(self, features: Tensor, B: int, rule: SelectRule, semi: bool
+                  ) -> DecoderOutput:
         """`forward` of a batch with no word to predict: outputs with T = 0."""
-        rule, semi = self._training_rule() if rule is None else (rule, False)
         sampling = rule in ("sample", "gumbel")
-        zeros = features.new_zeros
+        zeros = self.embed.weight.new_zeros
         out = DecoderOutput(zeros(B, 0, self.vocab_size), zeros(B, 0, features.size(1)),
                             zeros(B, 0) if sampling else None, zeros(B, 0) if sampling else None)
         if sampling and semi:
@@ -354,7 +340,7 @@ class AttentionLSTMDecoder(nn.Module):
         return out
 
     def _forward_fixed(self, features: Tensor, captions: Tensor, steps: Tensor,
-                       rule: SelectRule | None) -> DecoderOutput:
+                       rule: SelectRule, semi: bool) -> DecoderOutput:
         """`forward` through the compiled fixed-shape pass: T padded up to the bucket. T is the
         captions' width - 1, not read from `steps`, so that no step waits for the GPU; columns
         past the longest caption (a batch padded wider) are masked like any padding."""
@@ -364,7 +350,6 @@ class AttentionLSTMDecoder(nn.Module):
         tokens = captions[:, :padded]
         if tokens.size(1) < padded:  # the pad id never reaches an output: those steps are masked
             tokens = F.pad(tokens, (0, padded - tokens.size(1)))
-        rule, semi = self._training_rule() if rule is None else (rule, False)
         B = captions.size(0)
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
         mask = torch.arange(padded, device=steps.device) < steps.unsqueeze(1)  # (B, T')

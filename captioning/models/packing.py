@@ -9,16 +9,18 @@ loop, (b_t, ...) each, concatenate into the same order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from captioning.models.attention import Selection
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackedSteps:
     """Time-major positions of captions sorted longest first: `running[t]` = b_t, and `index`
     (N,) the flat position r · T + t of each in the (B, T) batch as given, r the sorted
@@ -26,7 +28,7 @@ class PackedSteps:
 
     batch: int  # B
     steps: int  # T, the longest caption's word steps
-    running: list[int]  # b_t, captions still going at step t (non-increasing)
+    running: tuple[int, ...]  # b_t, captions still going at step t (non-increasing)
     index: Tensor  # (N,) long
 
     @classmethod
@@ -37,14 +39,15 @@ class PackedSteps:
         if any(a < b for a, b in pairwise(steps)):
             raise ValueError("PackedSteps needs the captions sorted longest first")
         B, T = len(steps), max(steps, default=0)
-        running = [sum(1 for s in steps if s > t) for t in range(T)]
-        n = torch.tensor(steps, dtype=torch.long)
-        tb = (torch.arange(T).unsqueeze(1) < n.unsqueeze(0)).nonzero()  # (N, 2): (t, b), t-major
+        going = torch.arange(T).unsqueeze(1) < torch.tensor(steps, dtype=torch.long)  # (T, B)
+        tb = going.nonzero()  # (N, 2): (t, b), t-major
         row = torch.arange(B) if rows is None else torch.tensor(rows, dtype=torch.long)
-        return cls(B, T, running, (row[tb[:, 1]] * T + tb[:, 0]).to(device))
+        return cls(B, T, tuple(going.sum(1).tolist()), (row[tb[:, 1]] * T + tb[:, 0]).to(device))
 
     def gather(self, x: Tensor) -> Tensor:
         """(B, T, ...) -> (N, ...): the packed positions of a batch-first tensor."""
+        if tuple(x.shape[:2]) != (self.batch, self.steps):
+            raise ValueError(f"expected ({self.batch}, {self.steps}, ...), got {tuple(x.shape)}")
         return x.reshape(self.batch * self.steps, *x.shape[2:]).index_select(0, self.index)
 
     def scatter(self, packed: Tensor) -> Tensor:
@@ -56,6 +59,17 @@ class PackedSteps:
     def padded(self, rows: list[Tensor]) -> Tensor:
         """Per-step rows (b_t, ...), one tensor a step, -> (B, T, ...), zero at the padding."""
         return self.scatter(torch.cat(rows))
+
+    def dropout(self, p: float, training: bool) -> Callable[[Tensor], Tensor]:
+        """Dropout of packed rows (N, C), with the mask that `F.dropout` (nn.Dropout) draws for
+        the padded (B, T, C) batch, in the rows' dtype and device: from one seed, the same units
+        drop whether the padding is packed away or not."""
+        def drop(x: Tensor) -> Tensor:
+            if not training or p == 0:
+                return x
+            mask = F.dropout(x.new_ones(self.batch, self.steps, x.size(-1)), p, training=True)
+            return x * self.gather(mask)
+        return drop
 
 
 @dataclass
