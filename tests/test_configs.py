@@ -128,6 +128,8 @@ def test_readme_paper_command_shrunk_trains_and_tests(
     monkeypatch.setenv("WANDB_MODE", "offline")
     for k, v in wandb_dirs(tmp_path).items():
         monkeypatch.setenv(k, v)
+    shown = "captioning fit --config trainer/gpu --config data/coco --config paper_soft"
+    assert shown in (Path(__file__).resolve().parent.parent / "README.md").read_text()
     split_file = write_tiny_coco(tmp_path / "coco")
     readme = ["--config", "trainer/gpu", "--config", "data/coco",
               "--config", f"paper_{attention}",
