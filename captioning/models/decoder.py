@@ -382,10 +382,10 @@ class AttentionLSTMDecoder(nn.Module):
                                              use_expected)
             trace.add(h, z_hat, sel)
         m = mask.unsqueeze(-1)  # (B, T, 1); `where`, not a product: past the end stays 0
-        hs_bt = torch.where(m, torch.stack(trace.hs, 1), 0.0)  # (B, T, H)
-        zs_bt = torch.where(m, torch.stack(trace.zs, 1), 0.0)  # (B, T, D)
         alpha = torch.where(m, torch.stack(trace.alphas, 1), 0.0)  # (B, T, L)
-        logits = torch.where(m, self._output(emb, hs_bt, zs_bt), 0.0)  # (B, T, V)
+        # h_t and ẑ_t past the end reach nothing: the logits there are masked, gradient too
+        logits = torch.where(m, self._output(emb, torch.stack(trace.hs, 1),
+                                             torch.stack(trace.zs, 1)), 0.0)  # (B, T, V)
         if not trace.log_ps:
             return logits, alpha, None, None
         return (logits, alpha, torch.where(mask, torch.stack(trace.log_ps, 1), 0.0),
