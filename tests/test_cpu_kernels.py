@@ -159,3 +159,58 @@ def test_step_by_step_decoding_equals_the_teacher_forced_pass() -> None:
             torch.testing.assert_close(log_p, F.log_softmax(out.logits[:, t], -1),
                                        rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(alpha, out.alphas[:, t], rtol=1e-5, atol=1e-6)
+
+
+def test_the_additive_score_runs_in_float32_under_bf16_autocast() -> None:
+    """On the CPU the keys are float32 even under bf16 autocast (the score's elementwise work is
+    faster there in float32, and a mixed-dtype one far slower), and so are the scores."""
+    torch.manual_seed(0)
+    att = AdditiveAttention(feature_dim=8, hidden_dim=6, attn_dim=7)
+    feats, h = torch.randn(4, 9, 8), torch.randn(3, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        keys = att.project(feats)
+        e = att(keys, h)
+    assert keys.dtype == torch.float32 and e.dtype == torch.float32
+    ref = att.score(torch.tanh(att.project(feats)[:3] + att.query(h).unsqueeze(1))).squeeze(-1)
+    torch.testing.assert_close(e, ref, rtol=3e-2, atol=3e-2)  # the projections ran in bf16
+
+
+@pytest.mark.parametrize("dims", [(10, 49, 24, 20), (32, 196, 512, 512)],
+                         ids=["small", "issue17-size"])
+def test_under_bf16_autocast_the_decoder_is_as_accurate_as_autocasts_plain_ops(
+        dims: tuple[int, int, int, int]) -> None:
+    """Under CPU bf16 autocast (as Lightning's `bf16-mixed` runs it) the decoder's loss and
+    gradients stay as close to the float32 truth as the plain formulas' under the same
+    autocast: the once-a-pass casts and the float32 score lose nothing."""
+    B, L, D, H = dims
+    torch.manual_seed(0)
+    dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=D, embed_dim=H, hidden_dim=H,
+                               attn_dim=H, dropout=0.0)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(B, L, D, generator=g).relu()
+    lengths = torch.randint(4, 15, (B,), generator=g)
+    caps = torch.randint(4, 40, (B, 15), generator=g)
+    runs = {}
+    for run, bf16 in (("truth", False), ("plain", True), ("decoder", True)):
+        dec.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+            if run == "decoder":
+                out = dec(feats, caps, lengths)
+                T = out.logits.size(1)
+                mask = torch.arange(T) < (lengths - 1).unsqueeze(1)
+                loss = F.cross_entropy(out.logits[mask].float(), caps[:, 1: T + 1][mask])
+            else:
+                loss = reference_loss(dec, feats, caps, lengths)
+        loss.float().backward()
+        runs[run] = (loss.item(), {n: p.grad.clone() for n, p in dec.named_parameters()
+                                   if p.grad is not None})
+    truth_loss, truth = runs["truth"]
+    errors = {}
+    for run in ("plain", "decoder"):
+        loss, grads = runs[run]
+        assert abs(loss - truth_loss) < 1e-3, run
+        assert grads.keys() == truth.keys() and len(grads) == len(list(dec.parameters()))
+        errors[run] = {n: float((grads[n].float() - truth[n]).norm() / truth[n].norm())
+                       for n in truth}
+    assert max(errors["decoder"].values()) < 0.03, errors["decoder"]
+    assert max(errors["decoder"].values()) <= max(errors["plain"].values()) + 0.005

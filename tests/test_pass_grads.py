@@ -91,3 +91,29 @@ def test_without_autograd_it_is_plain_addmm() -> None:
         product = RecurrentProduct(w)
         assert product.grad is None and product.weight is w
         torch.testing.assert_close(product(b, x), torch.addmm(b, x, w))
+
+
+def test_under_autocast_the_steps_read_one_cast_and_the_gradient_keeps_its_dtype() -> None:
+    """Under bf16 autocast (as Lightning's, without its weight-cast cache) the steps read the
+    weight cast once a pass; its gradient comes back float32, as autocast's own gives it."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 8, generator=g).requires_grad_()
+    plain = weight.detach().clone().requires_grad_()
+    xs = [torch.randn(rows, 6, generator=g) for rows in ROWS]
+    bias = torch.randn(5, 8, generator=g)
+    outs = []
+    for w, summed in ((weight, True), (plain, False)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            product = RecurrentProduct(w) if summed else None
+            if product is not None:
+                assert product.weight.dtype == torch.bfloat16  # one cast, read by every step
+            total = torch.zeros(())
+            for x in xs:
+                y = product(bias[: len(x)], x) if product else torch.addmm(bias[: len(x)], x, w)
+                assert y.dtype == torch.bfloat16
+                total = total + torch.tanh(y.float()).sum()
+        total.backward()
+        outs.append(total.detach())
+    assert weight.grad is not None and weight.grad.dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(weight.grad, plain.grad, rtol=2e-2, atol=2e-2)

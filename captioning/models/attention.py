@@ -73,23 +73,26 @@ class Scorer(nn.Module):
 
 class AdditiveScore(torch.autograd.Function):
     """e = w^T tanh(k + q) (Eq. 4) for the first b rows of the keys (N, L, A), with q (b, A)
-    and w (1, A): one forward and one backward pass over the (b, L, A) tensor, in place.
+    and w (1, A): three passes over the (b, L, A) tensor forward, four backward.
 
     On the CPU this is the training step's largest cost, bound by memory traffic. So tanh is
-    2σ(2x) − 1, about 3× faster there than `torch.tanh` (within 2e-7); the backward writes the
-    keys' gradient (1 − t²) g w straight into one (N, L, A) tensor: no zero-filled slice
-    gradient, no outer-product matmul. (docs/benchmarks.md has what was measured, and what
-    measured slower.)"""
+    2σ(2x) − 1, about 3× faster there than `torch.tanh`, and bit for bit what the five plain
+    operations give (the doubling is exact). The backward adds the keys' gradient
+    (1 − t²) g w straight into one (N, L, A) sum: no zero-filled slice gradient, no
+    outer-product matmul, and dq = Σ_i (1 − t²) g · w takes w out of the sum. (docs/benchmarks.md
+    has what was measured, and what measured slower.)"""
 
     @staticmethod
     def forward(ctx: Any, keys: Tensor, q: Tensor, w: Tensor,  # type: ignore[override]
                 keys_grad: PassGradient | None) -> Tensor:
         k = keys[: q.size(0)]  # (b, L, A)
-        t = torch.add(k, q.unsqueeze(1).expand_as(k))  # expand: a broadcast add is slower
-        t.mul_(2).sigmoid_().mul_(2).sub_(1)  # t = tanh(k + q)
+        # 2(k + q) in one pass (expand: a broadcast add is slower), in the keys' dtype
+        t = torch.add((2 * q).to(k.dtype).unsqueeze(1).expand_as(k), k, alpha=2)
+        t.sigmoid_().mul_(2).sub_(1)  # t = tanh(k + q)
         ctx.save_for_backward(t, w)
         ctx.n_keys, ctx.keys_grad = keys.size(0), keys_grad
-        return torch.matmul(t, w[0])  # (b, L)
+        with torch.autocast(k.device.type, enabled=False):  # no (b, L, A) cast to bf16
+            return torch.matmul(t, w[0].to(t.dtype))  # (b, L)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -97,16 +100,17 @@ class AdditiveScore(torch.autograd.Function):
                  ) -> tuple[Tensor | None, Tensor, Tensor, None]:
         t, w = ctx.saved_tensors
         b, L, A = t.shape
-        dw = (t.reshape(b * L, A).t() @ g.reshape(b * L)).unsqueeze(0)  # (1, A)
+        dw = torch.bmm(g.unsqueeze(1), t).sum(0)  # (1, A): faster than one (bL)-long product
+        u = torch.addcmul(t.new_ones(()), t, t, value=-1).mul_(g.unsqueeze(-1))  # (1 − t²) g
+        w = w[0].to(u.dtype)  # under autocast a float32 w would make the (b, L, A) product mixed
         sink: PassGradient | None = ctx.keys_grad
-        dkeys = None if sink is not None else t.new_empty(ctx.n_keys, L, A)
-        d = t.new_empty(b, L, A) if dkeys is None else dkeys[:b]
-        torch.addcmul(t.new_ones(()), t, t, value=-1, out=d).mul_(g.unsqueeze(-1)).mul_(w[0])
+        dkeys = None
         if sink is not None:  # summed over the pass in place: only the running rows
-            sink.add_rows(d)
+            sink.add_rows(u, scale=w)
         else:
-            dkeys[b:].zero_()  # rows past the batch's running captions
-        return dkeys, d.sum(1), dw, None
+            dkeys = t.new_zeros(ctx.n_keys, L, A)  # zero past the batch's running captions
+            torch.mul(u, w, out=dkeys[:b])
+        return dkeys, u.sum(1).mul_(w), dw, None
 
 
 class AdditiveAttention(Scorer):
@@ -120,6 +124,12 @@ class AdditiveAttention(Scorer):
         # No bias on w: α = softmax(e) is invariant to a shift shared by all locations, so a
         # bias here would be a parameter that never receives a gradient.
         self.score = nn.Linear(attn_dim, 1, bias=False)  # w
+
+    def project(self, features: Tensor) -> Tensor:
+        """Keys (B, L, A); float32 on the CPU even under bf16 autocast, where the score's
+        elementwise work runs faster in float32 (and a mixed-dtype one far slower)."""
+        keys = super().project(features)
+        return keys.float() if keys.device.type == "cpu" else keys
 
     def forward(self, keys: Tensor, h: Tensor, *,
                 keys_grad: PassGradient | None = None) -> Tensor:

@@ -47,7 +47,7 @@ from captioning.models.attention import (
     select,
 )
 from captioning.models.packing import PackedSteps, StepTrace
-from captioning.models.pass_grads import PassGradient, RecurrentProduct
+from captioning.models.pass_grads import PassGradient, RecurrentProduct, autocast_dtype
 from captioning.models.repeats import per_distinct_row
 
 AttentionKind = Literal["soft", "hard"]
@@ -301,7 +301,8 @@ class AttentionLSTMDecoder(nn.Module):
         # Gradients of W and the keys, summed over the steps in one place (models.pass_grads)
         recurrent = RecurrentProduct(self._recurrent_weight())
         keys, keys_grad = PassGradient.through(memory.keys)
-        mem_t = memory = Memory(memory.values, keys)
+        dtype = autocast_dtype(memory.values)  # cast once, not by each step's product
+        mem_t = memory = Memory(memory.values if dtype is None else memory.values.to(dtype), keys)
         ue = use_expected
         for t, active in enumerate(pk.running):  # captions sorted longest first: b_t shrinks
             if active < h.size(0):  # slice only when the batch shrinks (slicing costs backward)

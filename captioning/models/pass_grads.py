@@ -22,23 +22,31 @@ import torch
 from torch import Tensor
 
 
+def autocast_dtype(t: Tensor) -> torch.dtype | None:
+    """The dtype autocast gives t's device's products now, or None where it is off."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 class _Collect(torch.autograd.Function):
     """The identity on a tensor; its backward hands over the `PassGradient`'s sum. It runs
     after every step's backward, since every step reads its output."""
 
     @staticmethod
-    def forward(ctx: Any, t: Tensor, sink: PassGradient) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, t: Tensor, sink: PassGradient,  # type: ignore[override]
+                dtype: torch.dtype | None) -> Tensor:
         ctx.sink = sink  # the sink holds no tensor of the graph: no reference cycle
         ctx.set_materialize_grads(False)
-        return t.view_as(t)
+        return t.view_as(t) if dtype is None else t.to(dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor | None  # type: ignore[override]
+                 ) -> tuple[Tensor | None, None, None]:
         total = ctx.sink.take()
         if total is None or grad is None:
-            return (grad if total is None else total), None
-        return total + grad, None
+            return (grad if total is None else total), None, None
+        return total + grad.to(total.dtype), None, None
 
 
 class PassGradient:
@@ -52,32 +60,38 @@ class PassGradient:
         self._dense: Tensor | None = None
 
     @classmethod
-    def through(cls, t: Tensor, *, defer: bool = True) -> tuple[Tensor, PassGradient | None]:
+    def through(cls, t: Tensor, *, defer: bool = True,
+                dtype: torch.dtype | None = None) -> tuple[Tensor, PassGradient | None]:
         """(the tensor the steps read, its `PassGradient`); (t, None) without autograd, or
-        with `defer` False (a compiled pass)."""
+        with `defer` False (a compiled pass). `dtype`: the steps read t cast to it once (an
+        autocast pass would cast a non-leaf again at every step); the sum stays in t's."""
         if not (defer and t.requires_grad and torch.is_grad_enabled()):
             return t, None
         sink = cls(t)
-        return _Collect.apply(t, sink), sink
+        return _Collect.apply(t, sink, None if dtype == t.dtype else dtype), sink
 
     def add_product(self, x: Tensor, g: Tensor) -> None:
         """A step's part x^T g of a weight's gradient, x (b, K) and g (b, N)."""
         self._inputs.append(x)
         self._grads.append(g)
 
-    def add_rows(self, d: Tensor) -> None:
-        """A step's gradient `d` of the first d.size(0) rows; the other rows get none."""
+    def add_rows(self, d: Tensor, *, scale: Tensor | None = None) -> None:
+        """A step's gradient `d` (times `scale`, broadcast, if given) of the first d.size(0)
+        rows; the other rows get none."""
         if self._dense is None:  # zero-filled once a pass, not once a step
             self._dense = d.new_zeros(self.shape)
-        self._dense[: d.size(0)].add_(d)
+        rows = self._dense[: d.size(0)]
+        rows.add_(d) if scale is None else rows.addcmul_(d, scale)
 
     def take(self) -> Tensor | None:
         """The sum so far (None if no step added to it), in the tensor's dtype; the next
-        backward starts afresh. Under autocast the steps' parts may be bf16: the product sums
-        them in float32."""
+        backward starts afresh. Under autocast the steps' parts are bf16: the product runs in
+        bf16 (summing in float32 inside, as autocast's own products do), rounded once."""
         total, self._dense = self._dense, None
         if self._inputs:
-            x, g = torch.cat(self._inputs).float(), torch.cat(self._grads).float()
+            x, g = torch.cat(self._inputs), torch.cat(self._grads)
+            if x.dtype != g.dtype:
+                x, g = x.float(), g.float()
             product = x.t() @ g
             total = product if total is None else total + product
             self._inputs, self._grads = [], []
@@ -109,7 +123,8 @@ class RecurrentProduct:
     X^T G. `defer` False (a compiled pass) makes it a plain addmm. One per pass."""
 
     def __init__(self, weight: Tensor, *, defer: bool = True) -> None:
-        self.weight, self.grad = PassGradient.through(weight, defer=defer)
+        self.weight, self.grad = PassGradient.through(weight, defer=defer,
+                                                      dtype=autocast_dtype(weight))
 
     def __call__(self, bias: Tensor, x: Tensor) -> Tensor:
         """bias (b, N) + x (b, K) @ W (K, N)."""
