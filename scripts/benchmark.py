@@ -485,13 +485,14 @@ def top_ops(events: Any, steps: int, n: int = 15) -> list[dict[str, Any]]:
     return rows
 
 
-def matmul_rate(m: int, k: int, p: int, *, repeats: int = 5,
-                device: str = "cpu") -> dict[str, float]:
-    """GFLOP/s of an fp32 (m, k) x (k, p) `torch.mm` (2 m k p FLOPs): best and median of
-    `repeats` after a warm-up."""
+def matmul_rate(m: int, k: int, p: int, *, repeats: int = 5, device: str = "cpu",
+                dtype: str = "float32") -> dict[str, float]:
+    """GFLOP/s of an (m, k) x (k, p) `torch.mm` (2 m k p FLOPs) in `dtype` (fp32 by default):
+    best and median of `repeats` after a warm-up."""
     import torch
 
-    a, b = torch.randn(m, k, device=device), torch.randn(k, p, device=device)
+    kw = {"device": device, "dtype": getattr(torch, dtype)}
+    a, b = torch.randn(m, k, **kw), torch.randn(k, p, **kw)
     c = torch.mm(a, b)
     times = []
     for _ in range(repeats):
@@ -519,8 +520,12 @@ def worker_roofline(spec: dict[str, Any]) -> dict[str, Any]:
     step_shape = (spec["batch_size"], lstm.input_size - decoder.embed.embedding_dim
                   + lstm.hidden_size, 4 * lstm.hidden_size)
     step = matmul_rate(*step_shape, repeats=100, device=spec["device"])
+    # A bf16 run's products run at the bf16 rate: measure it too (AVX512-BF16 or AMX on a CPU)
+    low = (matmul_rate(n, n, n, device=spec["device"], dtype="bfloat16")["best"]
+           if spec["precision"].startswith("bf16") else None)
     counted = worker_train({**spec, "count_flops": True})
     return {"matmul_gflops": square["best"], "matmul_gflops_median": square["median"],
+            "bf16_matmul_gflops": low,
             "matmul_size": n, "threads": torch.get_num_threads(), "step_shape": step_shape,
             "step_matmul_gflops": step["best"],
             **{k: counted[k] for k in ("flops", "flop_pairs", "flop_words")}}
@@ -961,7 +966,9 @@ def run_roofline(base: dict[str, Any], args: argparse.Namespace,
     return {**roof, "flops_per_pair": per_pair,
             "words_per_pair": roof["flop_words"] / max(1, roof["flop_pairs"]),
             "pairs_per_s": cached_soft["mean_captions_per_s"], "achieved_gflops": achieved,
-            "share": achieved / roof["matmul_gflops"]}
+            "share": achieved / roof["matmul_gflops"],
+            "bf16_share": achieved / roof["bf16_matmul_gflops"]
+            if roof.get("bf16_matmul_gflops") else None}
 
 
 def run_profile(base: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -1124,6 +1131,10 @@ def _print_roofline(args: argparse.Namespace, roof: dict[str, Any] | None,
     print(f"roofline: cached soft training at {roof['pairs_per_s']:.1f} pairs/s (mean over the "
           f"timed steps) x {roof['flops_per_pair'] / 1e9:.3f} GFLOP = "
           f"{roof['achieved_gflops']:.1f} GFLOP/s = {100 * roof['share']:.0f}% of the matmul rate")
+    if roof.get("bf16_share"):
+        print(f"roofline: bf16 matmul {n}x{n}: {roof['bf16_matmul_gflops']:.1f} GFLOP/s; "
+              f"this bf16 run's {roof['achieved_gflops']:.1f} GFLOP/s is "
+              f"{100 * roof['bf16_share']:.0f}% of it")
 
 
 def _print_profile(rows: list[dict[str, Any]] | None) -> None:

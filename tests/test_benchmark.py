@@ -27,8 +27,10 @@ def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
 
 
 def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
+    """In bf16 (the CPU's bf16-mixed training): the roofline also measures the bf16 rate."""
     out = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached,grouped",
+         "--precision", "bf16-mixed",
          "--attentions", "soft", "--roofline", "--profile", "--profile-steps", "2", "--steps", "2",
          "--rounds", "1", "--warmup", "1", "--num-train", "16", "--batch-size", "4",
          "--threads", "1", "--workdir", str(tmp_path / "work"),
@@ -49,6 +51,8 @@ def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
     assert roof["matmul_gflops"] > 0 and roof["flop_pairs"] == 2 * 4  # the timed steps' pairs
     assert roof["flops_per_pair"] > 1e5  # a 32-unit decoder over 6-word captions: ~1e7
     assert 0 < roof["share"] < 1
+    assert roof["bf16_matmul_gflops"] > 0 and 0 < roof["bf16_share"] < 1
+    assert "roofline: bf16 matmul 512x512:" in out.stdout
     ops = [r["op"] for r in data["profile"]]
     assert len(ops) >= 5 and any(op.startswith("aten::") for op in ops)
 
