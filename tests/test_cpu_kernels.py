@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from captioning.models.attention import AdditiveAttention, AdditiveScore
 from captioning.models.decoder import AttentionLSTMDecoder
@@ -161,18 +163,48 @@ def test_step_by_step_decoding_equals_the_teacher_forced_pass() -> None:
             torch.testing.assert_close(alpha, out.alphas[:, t], rtol=1e-5, atol=1e-6)
 
 
-def test_the_additive_score_runs_in_float32_under_bf16_autocast() -> None:
-    """On the CPU the keys are float32 even under bf16 autocast (the score's elementwise work is
-    faster there in float32, and a mixed-dtype one far slower), and so are the scores."""
+class _MixedDtypes(TorchDispatchMode):
+    """Records the ops over tensors of at least `big` entries whose floating tensors are not
+    all of one dtype (casts aside)."""
+
+    def __init__(self, big: int) -> None:
+        super().__init__()
+        self.big, self.mixed = big, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        floats = [a for a in tree_leaves((args, kwargs)) if isinstance(a, Tensor)
+                  and a.dim() > 0 and a.is_floating_point()]
+        cast = func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+        if not cast and any(a.numel() >= self.big for a in floats) \
+                and len({a.dtype for a in floats}) > 1:
+            self.mixed.append(str(func))
+        return func(*args, **kwargs)
+
+
+def test_under_bf16_autocast_the_score_mixes_no_dtypes_over_the_grid() -> None:
+    """On the CPU an elementwise op over (b, L, A) with bf16 and float32 operands runs about 30x
+    slower than one in a single dtype: under bf16 autocast (as Lightning's `bf16-mixed`) the
+    score's forward and backward have none, and its gradients stay close to float32's."""
     torch.manual_seed(0)
     att = AdditiveAttention(feature_dim=8, hidden_dim=6, attn_dim=7)
     feats, h = torch.randn(4, 9, 8), torch.randn(3, 6)
-    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-        keys = att.project(feats)
-        e = att(keys, h)
-    assert keys.dtype == torch.float32 and e.dtype == torch.float32
-    ref = att.score(torch.tanh(att.project(feats)[:3] + att.query(h).unsqueeze(1))).squeeze(-1)
-    torch.testing.assert_close(e, ref, rtol=3e-2, atol=3e-2)  # the projections ran in bf16
+    weight = torch.randn(3, 9)
+    grads = []
+    for bf16 in (False, True):
+        att.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+            keys = att.project(feats)
+            seen, sink = PassGradient.through(keys)
+            with _MixedDtypes(big=3 * 9 * 7) as record:
+                e = att(seen, h, keys_grad=sink)
+        with record:
+            (F.softmax(e.float(), -1) * weight).sum().backward()
+        assert keys.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        assert record.mixed == [], record.mixed
+        grads.append([p.grad.clone() for p in att.parameters()])
+    for ref, got in zip(*grads):
+        torch.testing.assert_close(got, ref, rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("dims", [(10, 49, 24, 20), (32, 196, 512, 512)],

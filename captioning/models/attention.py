@@ -100,6 +100,7 @@ class AdditiveScore(torch.autograd.Function):
                  ) -> tuple[Tensor | None, Tensor, Tensor, None]:
         t, w = ctx.saved_tensors
         b, L, A = t.shape
+        g = g.to(t.dtype)
         dw = torch.bmm(g.unsqueeze(1), t).sum(0)  # (1, A): faster than one (bL)-long product
         u = torch.addcmul(t.new_ones(()), t, t, value=-1).mul_(g.unsqueeze(-1))  # (1 − t²) g
         w = w[0].to(u.dtype)  # under autocast a float32 w would make the (b, L, A) product mixed
@@ -124,12 +125,6 @@ class AdditiveAttention(Scorer):
         # No bias on w: α = softmax(e) is invariant to a shift shared by all locations, so a
         # bias here would be a parameter that never receives a gradient.
         self.score = nn.Linear(attn_dim, 1, bias=False)  # w
-
-    def project(self, features: Tensor) -> Tensor:
-        """Keys (B, L, A); float32 on the CPU even under bf16 autocast, where the score's
-        elementwise work runs faster in float32 (and a mixed-dtype one far slower)."""
-        keys = super().project(features)
-        return keys.float() if keys.device.type == "cpu" else keys
 
     def forward(self, keys: Tensor, h: Tensor, *,
                 keys_grad: PassGradient | None = None) -> Tensor:
