@@ -73,43 +73,45 @@ class Scorer(nn.Module):
 
 class AdditiveScore(torch.autograd.Function):
     """e = w^T tanh(k + q) (Eq. 4) for the first b rows of the keys (N, L, A), with q (b, A)
-    and w (1, A): three passes over the (b, L, A) tensor forward, four backward.
+    and w (1, A): two passes over the (b, L, A) tensor forward, four backward.
 
     On the CPU this is the training step's largest cost, bound by memory traffic. So tanh is
-    2σ(2x) − 1, about 3× faster there than `torch.tanh`, and bit for bit what the five plain
-    operations give (the doubling is exact). The backward adds the keys' gradient
-    (1 − t²) g w straight into one (N, L, A) sum: no zero-filled slice gradient, no
-    outer-product matmul, and dq = Σ_i (1 − t²) g · w takes w out of the sum. (docs/benchmarks.md
-    has what was measured, and what measured slower.)"""
+    kept as s = σ(2(k + q)), tanh = 2s − 1 (about 3× faster there than `torch.tanh`): then
+    e = 2 w^T s − Σw and 1 − tanh² = 4 s (1 − s), and the (b, L, A) tensor is never rescaled.
+    The backward adds the keys' gradient straight into one (N, L, A) sum: no zero-filled slice
+    gradient, no outer-product matmul, and dq = Σ_i (1 − t²) g · w takes w out of the sum. Under
+    autocast everything runs in the keys' dtype (bf16): an elementwise op over (b, L, A) with
+    mixed dtypes is about 30× slower on the CPU. (docs/benchmarks.md has what was measured.)"""
 
     @staticmethod
     def forward(ctx: Any, keys: Tensor, q: Tensor, w: Tensor,  # type: ignore[override]
                 keys_grad: PassGradient | None) -> Tensor:
         k = keys[: q.size(0)]  # (b, L, A)
-        # 2(k + q) in one pass (expand: a broadcast add is slower), in the keys' dtype
-        t = torch.add((2 * q).to(k.dtype).unsqueeze(1).expand_as(k), k, alpha=2)
-        t.sigmoid_().mul_(2).sub_(1)  # t = tanh(k + q)
-        ctx.save_for_backward(t, w)
+        # 2(k + q) in one pass (expand: a broadcast add is slower)
+        s = torch.add((2 * q).to(k.dtype).unsqueeze(1).expand_as(k), k, alpha=2).sigmoid_()
+        ctx.save_for_backward(s, w)
         ctx.n_keys, ctx.keys_grad = keys.size(0), keys_grad
         with torch.autocast(k.device.type, enabled=False):  # no (b, L, A) cast to bf16
-            return torch.matmul(t, w[0].to(t.dtype))  # (b, L)
+            e = torch.matmul(s, (2 * w[0]).to(s.dtype))  # (b, L)
+            return e.sub_(w.sum().to(e.dtype))  # w^T (2s − 1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g: Tensor  # type: ignore[override]
                  ) -> tuple[Tensor | None, Tensor, Tensor, None]:
-        t, w = ctx.saved_tensors
-        b, L, A = t.shape
-        g = g.to(t.dtype)
-        dw = torch.bmm(g.unsqueeze(1), t).sum(0)  # (1, A): faster than one (bL)-long product
-        u = torch.addcmul(t.new_ones(()), t, t, value=-1).mul_(g.unsqueeze(-1))  # (1 − t²) g
-        w = w[0].to(u.dtype)  # under autocast a float32 w would make the (b, L, A) product mixed
+        s, w = ctx.saved_tensors
+        b, L, A = s.shape
+        g = g.to(s.dtype)
+        # dw = Σ g t = 2 Σ g s − Σ g; a bmm is faster than one (bL)-long product
+        dw = torch.bmm(g.unsqueeze(1), s).sum(0).mul_(2).sub_(g.sum())  # (1, A)
+        u = torch.addcmul(s, s, s, value=-1).mul_(4 * g.unsqueeze(-1))  # (1 − t²) g
+        w = w[0].to(u.dtype)
         sink: PassGradient | None = ctx.keys_grad
         dkeys = None
         if sink is not None:  # summed over the pass in place: only the running rows
             sink.add_rows(u, scale=w)
         else:
-            dkeys = t.new_zeros(ctx.n_keys, L, A)  # zero past the batch's running captions
+            dkeys = s.new_zeros(ctx.n_keys, L, A)  # zero past the batch's running captions
             torch.mul(u, w, out=dkeys[:b])
         return dkeys, u.sum(1).mul_(w), dw, None
 

@@ -289,7 +289,8 @@ class AttentionLSTMDecoder(nn.Module):
             return self._no_words(features, B, rule, semi)
         pk = PackedSteps.of(steps_cpu, rows=order, device=captions.device)
 
-        memory = self.memory(features)
+        dtype = autocast_dtype(features)  # cast once: the keys' product and every step read it
+        memory = self.memory(features if dtype is None else features.to(dtype))
         state = self.init_state(memory)
         h, c = state.h, state.c
         emb = self.embed(pk.gather(captions[:, :T]))  # (N, E): inputs y_0 .. y_{T-1}, packed
@@ -301,8 +302,7 @@ class AttentionLSTMDecoder(nn.Module):
         # Gradients of W and the keys, summed over the steps in one place (models.pass_grads)
         recurrent = RecurrentProduct(self._recurrent_weight())
         keys, keys_grad = PassGradient.through(memory.keys)
-        dtype = autocast_dtype(memory.values)  # cast once, not by each step's product
-        mem_t = memory = Memory(memory.values if dtype is None else memory.values.to(dtype), keys)
+        mem_t = memory = Memory(memory.values, keys)
         ue = use_expected
         for t, active in enumerate(pk.running):  # captions sorted longest first: b_t shrinks
             if active < h.size(0):  # slice only when the batch shrinks (slicing costs backward)
