@@ -133,12 +133,16 @@ def test_missing_pretrained_weights_offline_is_one_line(shapes_root: Path,
     assert not list((home / "hub" / "checkpoints").glob("*.pth*")), "no partial download left"
 
 
-@pytest.mark.parametrize("attention", ["soft", "hard"])
-def test_demo_prints_each_line_once(attention: str, shapes_root: Path, tmp_path: Path) -> None:
-    """The demo's console output (`make demo`, and `make demo-hard`: `--attention hard`): no
-    line twice, none of the library messages about wiring."""
+@pytest.mark.parametrize("attention,extra", [
+    ("soft", []), ("hard", []), ("soft", ["--trainer.precision", "bf16-mixed"])],
+    ids=["soft", "hard", "soft-bf16-mixed"])
+def test_demo_prints_each_line_once(attention: str, extra: list[str], shapes_root: Path,
+                                    tmp_path: Path) -> None:
+    """The demo's console output (`make demo`, `make demo-hard`: `--attention hard`, and the
+    README's CPU bf16 run: `--trainer.precision bf16-mixed`): no line twice, none of the
+    library messages about wiring."""
     run = tmp_path / "run"
-    out = _run(["demo", "--attention", attention, "--run-dir", str(run), "--samples", "2",
+    out = _run(["demo", "--attention", attention, *extra, "--run-dir", str(run), "--samples", "2",
                 *shapes_cli_args(shapes_root), "--data.cache_dir", str(tmp_path / "features"),
                 "--model.net.weights", "null", "--model.decode.max_len", "6",
                 "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
@@ -155,5 +159,8 @@ def test_demo_prints_each_line_once(attention: str, shapes_root: Path, tmp_path:
         assert message not in text, message
     assert "INFO: Seed set to 0" in text  # Lightning's lines still show, once
     assert "Shapes test split" in out.stdout
+    assert ("bfloat16 Automatic Mixed Precision" in text) == bool(extra)
+    if extra:  # the command the README shows
+        assert "`captioning demo --trainer.precision bf16-mixed`" in (REPO / "README.md").read_text()
     ckpt = torch.load(next(run.rglob("last.ckpt")), weights_only=True)
     assert ckpt["captioning_model_config"]["attention"] == attention
