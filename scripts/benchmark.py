@@ -1115,7 +1115,9 @@ def _print_roofline(args: argparse.Namespace, roof: dict[str, Any] | None,
         print(f"roofline, {batching}: decoder FLOPs per pair {roof['flops_per_pair'] / 1e9:.3f}"
               f" GFLOP; {roof['pairs_per_s']:.1f} pairs/s = {roof['achieved_gflops']:.1f} "
               f"GFLOP/s = {100 * roof['share']:.0f}% of the matmul rate "
-              f"({roof['matmul_gflops']:.1f} GFLOP/s in this measurement)")
+              f"({roof['matmul_gflops']:.1f} GFLOP/s in this measurement)"
+              + (f"; {100 * roof['bf16_share']:.0f}% of the bf16 rate "
+                 f"({roof['bf16_matmul_gflops']:.1f})" if roof.get("bf16_share") else ""))
         return
     where = "GPU" if args.device.startswith("cuda") else f"CPU, {roof['threads']} thread(s)"
     n = roof["matmul_size"]

@@ -16,14 +16,17 @@ def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
         [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached,beam",
          "--steps", "2", "--rounds", "1", "--warmup", "1", "--num-train", "16",
          "--batch-size", "4", "--threads", "1", "--workdir", str(tmp_path / "work"),
-         "--json", str(tmp_path / "bench.json")],
+         "--roofline", "--json", str(tmp_path / "bench.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     for row in ("train, cached, soft", "train, cached, hard", "beam search, cached, soft"):
         assert f"| {row}" in out.stdout
     assert "padding share of one epoch's (B, T) step-rows, shapes" in out.stdout
-    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    assert all(r["captions_per_s"] > 0 for r in rows.values())
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert all(r["captions_per_s"] > 0 for r in data["rows"].values())
+    # an fp32 run's roofline: the fp32 rate only
+    assert "of the matmul rate" in out.stdout and "bf16 matmul" not in out.stdout
+    assert data["roofline"]["bf16_matmul_gflops"] is None
 
 
 def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
@@ -53,6 +56,7 @@ def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
     assert 0 < roof["share"] < 1
     assert roof["bf16_matmul_gflops"] > 0 and 0 < roof["bf16_share"] < 1
     assert "roofline: bf16 matmul 512x512:" in out.stdout
+    assert "of the bf16 rate" in out.stdout  # the by-image line too
     ops = [r["op"] for r in data["profile"]]
     assert len(ops) >= 5 and any(op.startswith("aten::") for op in ops)
 

@@ -107,7 +107,9 @@ def test_under_autocast_the_steps_read_one_cast_and_the_gradient_keeps_its_dtype
             product = RecurrentProduct(w) if summed else None
             if product is not None:
                 assert product.weight.dtype == torch.bfloat16  # one cast, read by every step
-            total = torch.zeros(())
+            # the weight the steps read, also read directly: its gradient adds to the pass's
+            read = product.weight if product is not None else w.to(torch.bfloat16)
+            total = read.float().square().sum()
             for x in xs:
                 y = product(bias[: len(x)], x) if product else torch.addmm(bias[: len(x)], x, w)
                 assert y.dtype == torch.bfloat16

@@ -73,10 +73,12 @@ class Scorer(nn.Module):
 
 class AdditiveScore(torch.autograd.Function):
     """e = w^T tanh(k + q) (Eq. 4) for the first b rows of the keys (N, L, A), with q (b, A)
-    and w (1, A): two passes over the (b, L, A) tensor forward, four backward.
+    and w (1, A): forward, two passes over the (b, L, A) tensor and the product that reads it;
+    backward, five operations over it.
 
     On the CPU this is the training step's largest cost, bound by memory traffic. So tanh is
-    kept as s = σ(2(k + q)), tanh = 2s − 1 (about 3× faster there than `torch.tanh`): then
+    kept as s = σ(2(k + q)), tanh = 2s − 1 (σ is 6× faster there than `torch.tanh` in fp32,
+    2.4× in bf16): then
     e = 2 w^T s − Σw and 1 − tanh² = 4 s (1 − s), and the (b, L, A) tensor is never rescaled.
     The backward adds the keys' gradient straight into one (N, L, A) sum: no zero-filled slice
     gradient, no outer-product matmul, and dq = Σ_i (1 − t²) g · w takes w out of the sum. Under
@@ -91,9 +93,12 @@ class AdditiveScore(torch.autograd.Function):
         s = torch.add((2 * q).to(k.dtype).unsqueeze(1).expand_as(k), k, alpha=2).sigmoid_()
         ctx.save_for_backward(s, w)
         ctx.n_keys, ctx.keys_grad = keys.size(0), keys_grad
+        b, L, A = s.shape
         with torch.autocast(k.device.type, enabled=False):  # no (b, L, A) cast to bf16
-            e = torch.matmul(s, (2 * w[0]).to(s.dtype))  # (b, L)
-            return e.sub_(w.sum().to(e.dtype))  # w^T (2s − 1)
+            # w^T (2s − 1) = 2 w^T s − Σw, the shift added inside the product: in bf16 it is
+            # rounded once, at the scale of e, not of 2 w^T s
+            shift = (-w.sum()).to(s.dtype).expand(b * L, 1)
+            return torch.addmm(shift, s.view(b * L, A), (2 * w).to(s.dtype).view(A, 1)).view(b, L)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -104,16 +109,18 @@ class AdditiveScore(torch.autograd.Function):
         g = g.to(s.dtype)
         # dw = Σ g t = 2 Σ g s − Σ g; a bmm is faster than one (bL)-long product
         dw = torch.bmm(g.unsqueeze(1), s).sum(0).mul_(2).sub_(g.sum())  # (1, A)
-        u = torch.addcmul(s, s, s, value=-1).mul_(4 * g.unsqueeze(-1))  # (1 − t²) g
-        w = w[0].to(u.dtype)
         sink: PassGradient | None = ctx.keys_grad
-        dkeys = None
+        dkeys = None if sink is not None else s.new_empty(ctx.n_keys, L, A)
+        u = s.new_empty(b, L, A) if dkeys is None else dkeys[:b]
+        torch.addcmul(s, s, s, value=-1, out=u).mul_(4 * g.unsqueeze(-1))  # (1 − t²) g
+        w = w[0].to(u.dtype)
+        dq = u.sum(1).mul_(w)  # (b, A)
         if sink is not None:  # summed over the pass in place: only the running rows
             sink.add_rows(u, scale=w)
         else:
-            dkeys = s.new_zeros(ctx.n_keys, L, A)  # zero past the batch's running captions
-            torch.mul(u, w, out=dkeys[:b])
-        return dkeys, u.sum(1).mul_(w), dw, None
+            u.mul_(w)
+            dkeys[b:].zero_()  # rows past the batch's running captions
+        return dkeys, dq, dw, None
 
 
 class AdditiveAttention(Scorer):

@@ -144,7 +144,13 @@ class AttentionLSTMDecoder(nn.Module):
     # -- the step API -----------------------------------------------------------------------
     def memory(self, features: Tensor) -> Memory:
         """Annotations (B, L, D) and the scorer's keys (B, L, K), computed once, and once per
-        distinct image where a batch repeats one (`captioning.models.repeats`)."""
+        distinct image where a batch repeats one (`captioning.models.repeats`). Under autocast,
+        annotations that need no gradient are cast once, here, for the keys' product and every
+        step's context alike (a fine-tuned encoder's keep their dtype, so that their gradient
+        is summed over the steps in float32)."""
+        dtype = autocast_dtype(features)
+        if dtype is not None and not features.requires_grad:
+            features = features.to(dtype)
         return Memory(features, per_distinct_row(features, self.attention.project))
 
     def init_state(self, memory: Memory) -> DecoderState:
@@ -289,8 +295,7 @@ class AttentionLSTMDecoder(nn.Module):
             return self._no_words(features, B, rule, semi)
         pk = PackedSteps.of(steps_cpu, rows=order, device=captions.device)
 
-        dtype = autocast_dtype(features)  # cast once: the keys' product and every step read it
-        memory = self.memory(features if dtype is None else features.to(dtype))
+        memory = self.memory(features)
         state = self.init_state(memory)
         h, c = state.h, state.c
         emb = self.embed(pk.gather(captions[:, :T]))  # (N, E): inputs y_0 .. y_{T-1}, packed

@@ -85,12 +85,13 @@ class PassGradient:
 
     def take(self) -> Tensor | None:
         """The sum so far (None if no step added to it), in the tensor's dtype; the next
-        backward starts afresh. Under autocast the steps' parts are bf16: the product runs in
-        bf16 (summing in float32 inside, as autocast's own products do), rounded once."""
+        backward starts afresh. Under bf16 autocast the product runs in bf16 (summing in
+        float32 inside, as autocast's own products do), rounded once; in float32 under fp16,
+        whose range one sum over every step's rows could exceed."""
         total, self._dense = self._dense, None
         if self._inputs:
             x, g = torch.cat(self._inputs), torch.cat(self._grads)
-            if x.dtype != g.dtype:
+            if x.dtype != g.dtype or x.dtype == torch.float16:
                 x, g = x.float(), g.float()
             product = x.t() @ g
             total = product if total is None else total + product
