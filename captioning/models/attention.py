@@ -78,8 +78,8 @@ class AdditiveScore(torch.autograd.Function):
 
     On the CPU this is the training step's largest cost, bound by memory traffic. So tanh is
     kept as s = σ(2(k + q)), tanh = 2s − 1 (σ is 6× faster there than `torch.tanh` in fp32,
-    2.4× in bf16): then
-    e = 2 w^T s − Σw and 1 − tanh² = 4 s (1 − s), and the (b, L, A) tensor is never rescaled.
+    2.4× in bf16): then e = 2 w^T s − Σw and 1 − tanh² = 4 s (1 − s), and the (b, L, A) tensor
+    is never rescaled.
     The backward adds the keys' gradient straight into one (N, L, A) sum: no zero-filled slice
     gradient, no outer-product matmul, and dq = Σ_i (1 − t²) g · w takes w out of the sum. Under
     autocast everything runs in the keys' dtype (bf16): an elementwise op over (b, L, A) with

@@ -81,7 +81,10 @@ class PassGradient:
         if self._dense is None:  # zero-filled once a pass, not once a step
             self._dense = d.new_zeros(self.shape)
         rows = self._dense[: d.size(0)]
-        rows.add_(d) if scale is None else rows.addcmul_(d, scale)
+        if scale is None:
+            rows.add_(d)
+        else:
+            rows.addcmul_(d, scale)
 
     def take(self) -> Tensor | None:
         """The sum so far (None if no step added to it), in the tensor's dtype; the next
