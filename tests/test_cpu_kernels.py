@@ -97,8 +97,14 @@ def reference_loss(dec: AttentionLSTMDecoder, feats: Tensor, caps: Tensor,
         embs.append(emb), hs.append(h), zs.append(z_hat)
     emb, h, z_hat = (torch.stack(x, 1) for x in (embs, hs, zs))  # (B, T, ...)
     logits = dec.out(dec.dropout(emb + dec.out_h(dec.dropout(h)) + dec.out_z(z_hat)))
+    return masked_loss(logits, caps, lengths)
+
+
+def masked_loss(logits: Tensor, caps: Tensor, lengths: Tensor) -> Tensor:
+    """Cross-entropy of logits (B, T, V) over each caption's words only, in float32."""
+    T = logits.size(1)
     mask = torch.arange(T) < (lengths - 1).unsqueeze(1)
-    return F.cross_entropy(logits[mask], caps[:, 1: T + 1][mask])
+    return F.cross_entropy(logits[mask].float(), caps[:, 1: T + 1][mask])
 
 
 @pytest.mark.parametrize("grouped,dims,dropout", [
@@ -127,9 +133,7 @@ def test_decoder_loss_and_gradients_equal_the_reference(dims: tuple[int, int, in
         dec.zero_grad()
         torch.manual_seed(3)  # the same dropout masks in both
         if run == "decoder":
-            out = dec(feats, caps, lengths)
-            mask = torch.arange(out.logits.size(1)) < (lengths - 1).unsqueeze(1)
-            loss = F.cross_entropy(out.logits[mask], caps[:, 1: out.logits.size(1) + 1][mask])
+            loss = masked_loss(dec(feats, caps, lengths).logits, caps, lengths)
         else:
             loss = reference_loss(dec, feats, caps, lengths)
         loss.backward()
@@ -253,10 +257,7 @@ def test_under_bf16_autocast_the_decoder_is_as_accurate_as_autocasts_plain_ops(
         dec.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
             if run == "decoder":
-                out = dec(feats, caps, lengths)
-                T = out.logits.size(1)
-                mask = torch.arange(T) < (lengths - 1).unsqueeze(1)
-                loss = F.cross_entropy(out.logits[mask].float(), caps[:, 1: T + 1][mask])
+                loss = masked_loss(dec(feats, caps, lengths).logits, caps, lengths)
             else:
                 loss = reference_loss(dec, feats, caps, lengths)
         loss.float().backward()
