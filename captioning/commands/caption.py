@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,51 +50,54 @@ def _is_image_name(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS
 
 
-def expand_inputs(args: Sequence[str]) -> Inputs:
-    """Files as given; directories -> their images (sorted); glob patterns -> matching images.
+def _images_in(folder: Path) -> list[Path]:
+    return sorted((p for p in folder.iterdir() if p.is_file() and _is_image_name(p)),
+                  key=lambda p: p.name)
 
-    A path is listed once, at its first occurrence. Explicit files are kept whatever their
-    extension (the loader reports non-images); directories and globs keep image extensions.
-    """
-    paths: list[Path] = []
-    problems: list[str] = []
+
+def expand_arg(arg: str) -> tuple[list[Path], str | None]:
+    """One input's image paths in order, or the problem it gives: a file as given (kept
+    whatever its extension: the loader reports non-images), a directory's images (sorted), a
+    glob pattern's matching images and directories' images."""
+    p = Path(arg)
+    if "\0" in arg:  # the OS cannot name such a file: one line, not a ValueError
+        return [], f"{arg!r}: not a usable path (it contains a NUL byte)"
+    if p.is_dir():
+        found = _images_in(p)
+        return found, None if found else (
+            f"{arg}: directory has no images ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+    if p.exists() or not _GLOB_CHARS & set(arg):
+        return [p], None  # missing or non-image files are reported by the loader
+    found = []
+    for m in map(Path, sorted(glob.glob(arg, recursive=True))):
+        if m.is_dir():
+            found += _images_in(m)
+        elif m.is_file() and _is_image_name(m):
+            found.append(m)
+    return found, None if found else f"{arg}: pattern matched no images"
+
+
+def unique_paths(paths: Iterable[Path]) -> list[Path]:
+    """Each file once, at its first occurrence (paths compared resolved)."""
     seen: set[Path] = set()
-
-    def add(p: Path) -> None:
+    kept = []
+    for p in paths:
         key = p.resolve()
         if key not in seen:
             seen.add(key)
-            paths.append(p)
+            kept.append(p)
+    return kept
 
-    def add_dir(d: Path) -> int:
-        found = sorted((p for p in d.iterdir() if p.is_file() and _is_image_name(p)),
-                       key=lambda p: p.name)
-        for p in found:
-            add(p)
-        return len(found)
 
+def expand_inputs(args: Sequence[str]) -> Inputs:
+    """`expand_arg` over the arguments; a path is listed once, at its first occurrence."""
+    paths: list[Path] = []
+    problems: list[str] = []
     for arg in args:
-        p = Path(arg)
-        if "\0" in arg:  # the OS cannot name such a file: one line, not a ValueError
-            problems.append(f"{arg!r}: not a usable path (it contains a NUL byte)")
-        elif p.is_dir():
-            if add_dir(p) == 0:
-                problems.append(f"{arg}: directory has no images "
-                                f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
-        elif not p.exists() and _GLOB_CHARS & set(arg):
-            matches = [Path(m) for m in sorted(glob.glob(arg, recursive=True))]
-            n = 0
-            for m in matches:
-                if m.is_dir():
-                    n += add_dir(m)
-                elif m.is_file() and _is_image_name(m):
-                    add(m)
-                    n += 1
-            if n == 0:
-                problems.append(f"{arg}: pattern matched no images")
-        else:
-            add(p)  # missing or non-image files are reported by the loader
-    return Inputs(paths, problems)
+        found, problem = expand_arg(arg)
+        paths += found
+        problems += [problem] if problem else []
+    return Inputs(unique_paths(paths), problems)
 
 
 def overlay_names(paths: Sequence[Path]) -> list[str]:

@@ -30,7 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from captioning.commands.caption import Inputs, decoding_settings, expand_inputs, overlay_names
+from captioning.commands.caption import (
+    Inputs,
+    decoding_settings,
+    expand_arg,
+    overlay_names,
+    unique_paths,
+)
 from captioning.commands.errors import error
 
 if TYPE_CHECKING:
@@ -69,28 +75,29 @@ def read_list_file(arg: str) -> tuple[list[tuple[int, str]], str | None]:
 
 
 def expand_predict_inputs(args: Sequence[str]) -> Inputs:
-    """List files replaced by their entries, then `expand_inputs` (folders, globs, files;
-    each path once, at its first occurrence). A list entry that names nothing is reported
-    with its list file and line."""
-    flat: list[str] = []
+    """List files replaced by their entries, each argument and entry expanded by `expand_arg`
+    (folders, globs, files; each path once, at its first occurrence). A list entry that names
+    nothing is reported with its list file and line."""
+    paths: list[Path] = []
     problems: list[str] = []
     for arg in args:
         if not is_list_file(arg):
-            flat.append(arg)
+            found, problem = expand_arg(arg)
+            paths += found
+            problems += [problem] if problem else []
             continue
         entries, problem = read_list_file(arg)
         problems += [problem] if problem else []
         where = list_path(arg)
         for line, entry in entries:
-            found = expand_inputs([entry])
-            missing = not found.problems and not any(p.exists() for p in found.paths)
-            problems += [f"{where}, line {line}: {p}" for p in found.problems]
-            if missing:
-                problems.append(f"{where}, line {line}: {entry}: image file does not exist")
-            elif not found.problems:
-                flat.append(entry)
-    inputs = expand_inputs(flat)
-    return Inputs(inputs.paths, problems + inputs.problems)
+            found, problem = expand_arg(entry)
+            if problem is None and not any(p.exists() for p in found):
+                problem = f"{entry}: image file does not exist"
+            if problem is not None:
+                problems.append(f"{where}, line {line}: {problem}")
+            else:
+                paths += found
+    return Inputs(unique_paths(paths), problems)
 
 
 def _parser() -> argparse.ArgumentParser:
