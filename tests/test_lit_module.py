@@ -137,27 +137,38 @@ def test_a_failed_forward_pass_still_reaches_every_parameter() -> None:
     assert len(trainable) == 3 and all(bool(p.grad.isnan().all()) for p in trainable)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_grad_scaler_overflow_skips_the_step_and_training_goes_on(
-        fused: bool, shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path) -> None:
-    """16-mixed: a GradScaler's overflow is its own to handle (it skips the step and lowers the
-    scale), not a reason to stop the run. A fused optimiser's gradients are still scaled when
-    clipping would run, so clipping refuses them, as Lightning's own does."""
+def _scaled_run(fused: bool, shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path
+                ) -> tuple[L.Trainer, L.LightningModule, L.LightningDataModule, Any]:
+    """A 16-mixed run with gradient clipping whose GradScaler overflows on the first steps."""
     from lightning.pytorch.plugins import MixedPrecision
 
     L.seed_everything(0)
     dm = runs.make_dm(shapes_dm_kwargs, cache_dir)
     module = runs.make_module(dm)
     module.hparams.fused_adam = fused
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)  # overflows on the first steps
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)
     trainer = runs.make_trainer(tmp_path / "ckpt", max_epochs=1, gradient_clip_val=1.0,
                                 plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
-    if fused:
-        with pytest.raises(RuntimeError, match="clip scaled gradients"):
-            trainer.fit(module, datamodule=dm)
-        return
+    return trainer, module, dm, scaler
+
+
+def test_a_grad_scaler_overflow_skips_the_step_and_training_goes_on(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path) -> None:
+    """16-mixed: a GradScaler's overflow is its own to handle (it skips the step and lowers the
+    scale), not a reason to stop the run."""
+    trainer, module, dm, scaler = _scaled_run(False, shapes_dm_kwargs, cache_dir, tmp_path)
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == runs.BATCHES and scaler.get_scale() < 2.0**120
+
+
+def test_clipping_refuses_a_fused_optimisers_scaled_gradients(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path) -> None:
+    """A fused optimiser's gradients are still scaled when clipping would run, so clipping
+    refuses them, as Lightning's own does."""
+    trainer, module, dm, _ = _scaled_run(True, shapes_dm_kwargs, cache_dir, tmp_path)
+    with pytest.raises(RuntimeError, match="clip scaled gradients"):
+        trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 0
 
 
 def test_an_interrupt_while_a_bad_step_is_pending_saves_nothing(

@@ -91,12 +91,15 @@ def test_layouts_and_captions(shapes_root: Path) -> None:
     # The raw COCO files hold the same captions under the same ids.
     karpathy = {r.image_id: r.captions for r in read_karpathy(
         shapes_root / "dataset_shapes.json", shapes_root)}
+    seen = []
     for split in ("train", "val", "test"):
         recs = read_coco_captions(shapes_root / "annotations" / f"captions_{split}.json",
                                   shapes_root / "images", split=split)
         for r in recs:
             assert r.captions == karpathy[r.image_id]
             assert r.path.is_file()
+        seen += [r.image_id for r in recs]
+    assert sorted(seen) == sorted(karpathy)  # every image once, in one split
 
 
 def test_canonical_caption_names_every_object_left_to_right(shapes_root: Path) -> None:
@@ -119,6 +122,7 @@ def test_canonical_caption_names_every_object_left_to_right(shapes_root: Path) -
 
 def test_boxes_are_inside_the_image_and_do_not_overlap(shapes_root: Path) -> None:
     data = json.loads((shapes_root / "boxes.json").read_text())
+    assert len(data["images"]) == 40
     for entry in data["images"]:
         assert set(entry) == {"image_id", "file_name", "width", "height", "objects"}
         rects = []
@@ -134,6 +138,7 @@ def test_boxes_are_inside_the_image_and_do_not_overlap(shapes_root: Path) -> Non
 
 def test_objects_are_drawn_in_their_colour(shapes_root: Path) -> None:
     data = json.loads((shapes_root / "boxes.json").read_text())
+    assert len(data["images"]) == 40
     for entry in data["images"][:10]:
         arr = np.asarray(Image.open(shapes_root / "images" / entry["file_name"]), dtype=float)
         for o in entry["objects"]:
@@ -161,3 +166,24 @@ def test_parse_objects(caption: str, expected: set[tuple[str, str]]) -> None:
 def test_scene_objects_accepts_entry_or_object_list() -> None:
     objs = [{"color": "red", "shape": "circle", "size": "small", "bbox": [0, 0, 1, 1]}]
     assert scene_objects(objs) == scene_objects({"objects": objs}) == {("red", "circle")}
+
+
+def test_every_default_names_one_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`captioning shapes`, `ShapesSource()` and configs/data/shapes.yaml ask for one dataset,
+    so that `fit --config data/shapes` after `captioning shapes` uses it (a dataset of other
+    parameters would be generated again in its place)."""
+    import yaml
+
+    import captioning.data.shapes as shapes_module
+    from captioning.commands import shapes as command
+    from captioning.commands.configs import CONFIG_DIR
+    from captioning.data.sources import ShapesSource
+
+    written: dict = {}
+    monkeypatch.setattr(shapes_module, "generate_shapes",
+                        lambda root, **kw: written.update(root=str(root), **kw) or Path(root))
+    assert command.main([]) == 0
+    source = ShapesSource()
+    assert written == {"root": str(source.root), **source.params}
+    init_args = yaml.safe_load((CONFIG_DIR / "data" / "shapes.yaml").read_text())["data"]["source"]["init_args"]
+    assert ShapesSource(**init_args) == source

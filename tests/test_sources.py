@@ -188,7 +188,7 @@ def test_cache_root_and_describe(tmp_path: Path) -> None:
 
 def test_defaults_and_min_word_count() -> None:
     dm = CaptionDataModule()
-    assert dm.source == ShapesSource(root="data/shapes", num_train=4000, num_val=500,
+    assert dm.source == ShapesSource(root="data/shapes", num_train=4000, num_val=250,
                                      num_test=500, image_size=128, seed=0)
     assert dm.min_word_count == 1
     karpathy = KarpathySplits(split_file="x.json")

@@ -10,15 +10,12 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from captioning.data.shapes import generate_shapes
+    from captioning.data.shapes import DEFAULT_PARAMS, DEFAULT_ROOT, generate_shapes
 
     p = argparse.ArgumentParser(prog="captioning shapes", description="Write the shapes dataset.")
-    p.add_argument("--root", default="data/shapes")
-    p.add_argument("--num-train", type=int, default=6000)
-    p.add_argument("--num-val", type=int, default=250)
-    p.add_argument("--num-test", type=int, default=500)
-    p.add_argument("--image-size", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--root", default=DEFAULT_ROOT)
+    for name, value in DEFAULT_PARAMS.items():  # the defaults `fit --config data/shapes` reads
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     a = p.parse_args(argv)
     root = generate_shapes(a.root, num_train=a.num_train, num_val=a.num_val,
                            num_test=a.num_test, image_size=a.image_size, seed=a.seed)

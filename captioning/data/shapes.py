@@ -57,6 +57,12 @@ MANIFEST_FILE = "manifest.json"
 IMAGE_DIR = "images"
 #: Bump when the generator's output changes, so cached datasets are regenerated.
 GENERATOR_VERSION = 1
+#: The embedded default dataset: one home for its folder and parameters (`generate_shapes`,
+#: `ShapesSource`, `captioning shapes`, configs/data/shapes.yaml), so that a dataset written by
+#: one of them is the one the others look for, not replaced as a dataset of other parameters.
+DEFAULT_ROOT = "data/shapes"
+DEFAULT_PARAMS = {"num_train": 4000, "num_val": 250, "num_test": 500, "image_size": 128,
+                  "seed": 0}
 
 _BACKGROUND = (28, 28, 34)
 _SUPERSAMPLE = 2
@@ -354,11 +360,11 @@ def _write_dataset(out: Path, params: Mapping[str, Any]) -> None:
 def generate_shapes(
     root: str | os.PathLike[str],
     *,
-    num_train: int = 4000,
-    num_val: int = 500,
-    num_test: int = 500,
-    image_size: int = 128,
-    seed: int = 0,
+    num_train: int = DEFAULT_PARAMS["num_train"],
+    num_val: int = DEFAULT_PARAMS["num_val"],
+    num_test: int = DEFAULT_PARAMS["num_test"],
+    image_size: int = DEFAULT_PARAMS["image_size"],
+    seed: int = DEFAULT_PARAMS["seed"],
 ) -> Path:
     """Generate the shapes dataset under `root` and return `root`.
 

@@ -49,6 +49,8 @@ from captioning.data.readers import (
 from captioning.data.shapes import (
     BOXES_FILE,
     COLORS,
+    DEFAULT_PARAMS,
+    DEFAULT_ROOT,
     SHAPES,
     SIZES,
     SPLIT_FILE,
@@ -283,9 +285,12 @@ class ShapesSource(DataSource):
 
     default_min_word_count = 1
 
-    def __init__(self, *, root: str = "data/shapes", num_train: int = 4000, num_val: int = 500,
-                 num_test: int = 500, image_size: int = 128, seed: int = 0,
-                 boxes_path: str | None = None) -> None:
+    def __init__(self, *, root: str = DEFAULT_ROOT,
+                 num_train: int = DEFAULT_PARAMS["num_train"],
+                 num_val: int = DEFAULT_PARAMS["num_val"],
+                 num_test: int = DEFAULT_PARAMS["num_test"],
+                 image_size: int = DEFAULT_PARAMS["image_size"],
+                 seed: int = DEFAULT_PARAMS["seed"], boxes_path: str | None = None) -> None:
         for name, n in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test)):
             if n < 0:
                 raise ValueError(f"{name} must be >= 0, got {n}")
