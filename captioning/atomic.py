@@ -3,31 +3,56 @@
 `write_atomic(target, write)` has `write` fill a temporary file beside `target` (same folder,
 so the rename cannot cross file systems), flushes it to disk, then renames it over `target`:
 a reader sees the old file or the new one, never a partial one, and a failed or killed write
-leaves the old file intact. Temporary names carry the writer's PID, so that the next run can
-remove the ones whose writer is dead (`remove_stale_temporaries`). Files get the permissions
-the umask gives, like any file the user creates.
+leaves the old file intact. Temporary names carry the writer's machine and PID, so that the
+next run can remove the ones whose writer is dead (`is_stale`, `remove_stale_temporaries`):
+on a shared file system another machine's PID means nothing here, so another machine's
+temporary counts as dead only once nobody has written to it for `STALE_ELSEWHERE_S`. Files get
+the permissions the umask gives, like any file the user creates.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import secrets
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: `.NAME.PID.RANDOM.tmp`: the temporary file of a write to NAME by process PID.
-TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
+#: `.NAME.HOST.PID.RANDOM.tmp`: the temporary file of a write to NAME by process PID on the
+#: machine HOST (`HOST`; names written before it had none, and count as this machine's).
+TEMP_RE = re.compile(
+    r"^\.(?P<name>.+?)\.(?:(?P<host>[0-9a-f]{8})\.)?(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
+#: This machine, in temporary names: a digest of its host name.
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+#: How long another machine's temporary must go unwritten before it counts as left behind.
+STALE_ELSEWHERE_S = 24 * 3600
 
 
 def temporary_name(target: Path) -> Path:
-    """A fresh temporary path beside `target`, carrying this process's PID."""
-    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    """A fresh temporary path beside `target`, carrying this machine and process."""
+    return target.with_name(f".{target.name}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def is_stale(p: Path, *, name: str | None = None) -> bool:
+    """Whether `p` is a temporary (of a write to `name`, when given) whose writer is gone: a
+    PID not alive on this machine, or another machine's file untouched for a day."""
+    found = TEMP_RE.match(p.name)
+    if found is None or (name is not None and found["name"] != name):
+        return False
+    if found["host"] in (None, HOST):
+        return not pid_alive(int(found["pid"]))
+    try:
+        return time.time() - p.stat().st_mtime > STALE_ELSEWHERE_S
+    except FileNotFoundError:
+        return False
 
 
 def write_atomic(target: str | os.PathLike[str], write: Callable[[Path], Any]) -> Path:
@@ -88,12 +113,11 @@ def pid_alive(pid: int) -> bool:
 
 def remove_stale_temporaries(folder: str | os.PathLike[str], *, pattern: str = "*.tmp"
                              ) -> list[Path]:
-    """Remove the temporary files in `folder` whose writer (by the PID in the name) is dead;
-    returns them. Files of live writers, and names that carry no PID, are left alone."""
+    """Remove the temporary files in `folder` whose writer is gone (`is_stale`); returns them.
+    Files of live writers, and names that are not temporaries, are left alone."""
     removed = []
     for p in sorted(Path(folder).glob(pattern)):
-        found = TEMP_RE.match(p.name)
-        if found is None or pid_alive(int(found["pid"])):
+        if not is_stale(p):
             continue
         try:
             p.unlink()

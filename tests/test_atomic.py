@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from captioning.atomic import (
+    HOST,
+    STALE_ELSEWHERE_S,
     TEMP_RE,
     remove_stale_temporaries,
     temporary_name,
@@ -50,6 +52,26 @@ def test_a_killed_writer_leaves_a_temporary_the_next_run_removes(tmp_path: Path)
     live.write_text("mine")
     assert remove_stale_temporaries(tmp_path, pattern=".*.tmp") == left
     assert target.read_text() == "old" and live.exists()
+
+
+def test_another_machines_temporary_is_stale_only_once_untouched_for_a_day(
+        tmp_path: Path) -> None:
+    """On a shared file system a PID from another machine says nothing here: that machine's
+    live write is left alone, and only a temporary nobody has written for a day is removed.
+    Names written before machines were in them count as this machine's."""
+    elsewhere = "0" * 8 if HOST != "0" * 8 else "1" * 8
+    dead_pid = 999_999_999  # above any pid_max: no such process here
+    live = tmp_path / f".a.npy.{elsewhere}.{os.getpid() + 1}.0123abcd.tmp"
+    old = tmp_path / f".b.npy.{elsewhere}.{dead_pid}.0123abcd.tmp"
+    unnamed = tmp_path / f".c.npy.{dead_pid}.0123abcd.tmp"  # the older form: no machine
+    mine = tmp_path / f".d.npy.{HOST}.{dead_pid}.0123abcd.tmp"
+    for p in (live, old, unnamed, mine):
+        p.write_text("x")
+    long_ago = old.stat().st_mtime - STALE_ELSEWHERE_S - 60
+    os.utime(old, (long_ago, long_ago))
+    assert TEMP_RE.match(live.name)["host"] == elsewhere
+    assert remove_stale_temporaries(tmp_path) == [old, unnamed, mine]
+    assert live.exists()
 
 
 def test_files_get_the_umask_permissions(tmp_path: Path) -> None:

@@ -119,12 +119,12 @@ CACHE_NAME_RE = re.compile(r"^[0-9a-f]{20}\.(npy|json)$")
 def _superseded(p: Path, keep: set[str]) -> bool:
     """Whether `p` is a cache file, lock or temporary that `--prune` deletes; any other file
     in the folder (a dataset's own JSON, a vocabulary, a user's file) is never touched."""
-    from captioning.atomic import TEMP_RE, pid_alive
+    from captioning.atomic import TEMP_RE, is_stale
     from captioning.locks import lock_held
 
     temp = TEMP_RE.match(p.name)
     if temp:
-        return bool(CACHE_NAME_RE.match(temp["name"])) and not pid_alive(int(temp["pid"]))
+        return bool(CACHE_NAME_RE.match(temp["name"])) and is_stale(p)
     if p.name.startswith("tmp") and p.name.endswith(".npy.tmp"):  # before PIDs in names
         return True
     if p.suffix == ".lock":

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from captioning.atomic import TEMP_RE, pid_alive, temporary_name
+from captioning.atomic import is_stale, temporary_name
 from captioning.locks import exclusive_lock, sigterm_raises
 from captioning.vocab import tokenize
 
@@ -410,8 +410,7 @@ def generate_shapes(
 def _remove_stale_temporaries(root: Path) -> None:
     """Remove the temporary dataset folders beside `root` of generators that died."""
     for p in root.parent.glob(f".{root.name}.*.tmp"):
-        found = TEMP_RE.match(p.name)
-        if found and found["name"] == root.name and not pid_alive(int(found["pid"])):
+        if is_stale(p, name=root.name):
             log.info("removing %s, left by a generator that died", p)
             shutil.rmtree(p, ignore_errors=True)
 
