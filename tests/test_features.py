@@ -81,6 +81,26 @@ def test_same_inputs_hit_the_cache(images: list[Path], tmp_path: Path,
     torch.testing.assert_close(again[str(images[2])], grid)  # same row by str or Path
 
 
+def test_a_cached_jpeg_grid_is_the_one_caption_and_training_compute(tmp_path: Path) -> None:
+    """A JPEG far larger than the image size is decoded at a reduced scale by training,
+    `caption` and `predict` (`load_image(min_side=...)`); the cache decodes it the same way,
+    so a model trained on cached grids is captioned on the same pixels."""
+    from captioning.data.images import load_image
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "big.jpg"
+    Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path, quality=90)
+    assert load_image(path, min_side=S).size == (160, 120)  # the reduced decode: 1/4 scale
+    enc = _encoder()
+    cache = _build(tmp_path / "f", enc, [path])
+    transform = build_image_transform(S)
+    with torch.no_grad():
+        reduced, full = (enc(transform(im)[None])[0] for im in (
+            load_image(path, min_side=S), load_image(path)))
+    assert (reduced - full).abs().max() > 1e-2  # the two decodes do differ at this size
+    torch.testing.assert_close(cache[path].float(), reduced, atol=2e-3, rtol=2e-3)
+
+
 def test_building_shows_a_progress_bar(images: list[Path], tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     _build(tmp_path / "f", _encoder(), images, progress=True)

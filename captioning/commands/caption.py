@@ -77,7 +77,7 @@ def expand_arg(arg: str) -> tuple[list[Path], str | None]:
     return found, None if found else f"{arg}: pattern matched no images"
 
 
-def unique_paths(paths: Iterable[Path]) -> list[Path]:
+def each_file_once(paths: Iterable[Path]) -> list[Path]:
     """Each file once, at its first occurrence (paths compared resolved)."""
     seen: set[Path] = set()
     kept = []
@@ -97,7 +97,7 @@ def expand_inputs(args: Sequence[str]) -> Inputs:
         found, problem = expand_arg(arg)
         paths += found
         problems += [problem] if problem else []
-    return Inputs(unique_paths(paths), problems)
+    return Inputs(each_file_once(paths), problems)
 
 
 def overlay_names(paths: Sequence[Path]) -> list[str]:

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 from captioning.commands.caption import (
     Inputs,
     decoding_settings,
+    each_file_once,
     expand_arg,
     overlay_names,
-    unique_paths,
 )
 from captioning.commands.errors import error
 
@@ -97,7 +97,7 @@ def expand_predict_inputs(args: Sequence[str]) -> Inputs:
                 problems.append(f"{where}, line {line}: {problem}")
             else:
                 paths += found
-    return Inputs(unique_paths(paths), problems)
+    return Inputs(each_file_once(paths), problems)
 
 
 def _parser() -> argparse.ArgumentParser:

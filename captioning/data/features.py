@@ -48,7 +48,9 @@ from captioning.locks import exclusive_lock, sigterm_raises
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # in the key: version-1 caches (no hashes in the index) are superseded
+# In the key: version 1 had no hashes in the index; version 2 decoded JPEGs in full, where
+# training, `caption` and `predict` decode them at a reduced scale (`_Images`).
+CACHE_VERSION = 3
 VERIFY_MODES = ("full", "lazy", "size")
 BLOCK_BYTES = 1 << 20
 MAX_BLOCK_ROWS = 256
@@ -178,8 +180,13 @@ def read_index(index_path: Path) -> dict[str, Any] | None:
 
 
 class _Images(Dataset):
-    def __init__(self, paths: Sequence[Path], transform: Callable[[Any], Tensor]) -> None:
-        self.paths, self.transform = list(paths), transform
+    """The images as training, `caption` and `predict` load them: JPEGs decoded at a reduced
+    scale while both sides stay >= `min_side` (the image size), so that a cached grid is the
+    one the encoder computes from the same file at any other time."""
+
+    def __init__(self, paths: Sequence[Path], transform: Callable[[Any], Tensor], *,
+                 min_side: int) -> None:
+        self.paths, self.transform, self.min_side = list(paths), transform, min_side
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -187,7 +194,7 @@ class _Images(Dataset):
     def __getitem__(self, i: int) -> Tensor:
         from captioning.data.images import load_image
 
-        return self.transform(load_image(self.paths[i]))
+        return self.transform(load_image(self.paths[i], min_side=self.min_side))
 
 
 class FeatureCache:
@@ -313,7 +320,8 @@ class FeatureCache:
                 return found
             meta = {"complete": True, "version": CACHE_VERSION, "encoder": encoder_config,
                     "image_size": image_size, "file": array_path.name}
-            with contextlib.closing(_batches(encoder, paths, transform, batch_size,
+            images = _Images(paths, transform, min_side=image_size)
+            with contextlib.closing(_batches(encoder, images, batch_size,
                                              num_workers, device)) as batches:
                 meta.update(_encode(array_path, batches, len(paths), progress))
             meta.update(paths=keys, paths_hash=keys_digest(keys))
@@ -338,16 +346,15 @@ def _open_quietly(cache_dir: Path, key: str, keys: list[str], verify: str
         return None  # checked again, and reported, under the lock
 
 
-def _batches(encoder: nn.Module, paths: Sequence[Path], transform: Callable[[Any], Tensor],
-             batch_size: int, num_workers: int, device: str | torch.device | None
-             ) -> Iterator[np.ndarray]:
-    """The float16 grids of `paths`' images, batch by batch, from the frozen `encoder` in eval
-    mode on `device` (restored afterwards)."""
+def _batches(encoder: nn.Module, images: _Images, batch_size: int, num_workers: int,
+             device: str | torch.device | None) -> Iterator[np.ndarray]:
+    """The float16 grids of the images, batch by batch, from the frozen `encoder` in eval mode
+    on `device` (restored afterwards)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     was_training = encoder.training
     orig_device = next(encoder.parameters()).device
     encoder.eval().to(device)
-    loader = DataLoader(_Images(paths, transform), batch_size=batch_size,
+    loader = DataLoader(images, batch_size=batch_size,
                         num_workers=num_workers, pin_memory=device.type == "cuda")
     try:
         for images in loader:
