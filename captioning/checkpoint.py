@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from captioning.atomic import write_atomic
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.pretrained import CONFIG_FILE, WEIGHTS_FILE, PretrainedError
 from captioning.models.pretrained import is_pretrained_dir as is_pretrained_dir  # re-exported
@@ -362,15 +363,15 @@ def save_inference_checkpoint(path: str | os.PathLike[str], captioner: Captioner
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {STATE_PREFIX + k: v.detach().cpu() for k, v in captioner.state_dict().items()}
-    torch.save({
+    checkpoint = {
         "format": INFERENCE_FORMAT,
         "format_version": 1,
         "state_dict": state,
         "hyper_parameters": {"decode": decode.to_dict()},
         CHECKPOINT_VOCAB_KEY: vocab.to_dict(),
         CHECKPOINT_CONFIG_KEY: captioner.config.to_dict(),
-    }, path)
-    return path
+    }
+    return write_atomic(path, lambda tmp: torch.save(checkpoint, tmp))  # never half-written
 
 
 def check_fits(checkpoint: Mapping[str, Any], *, state: Mapping[str, torch.Tensor],

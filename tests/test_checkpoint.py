@@ -154,6 +154,26 @@ def test_inference_checkpoint_round_trip(trained: Trained, tmp_path: Path) -> No
     assert path.stat().st_size < trained.checkpoint.stat().st_size  # no optimiser state
 
 
+def test_a_failed_inference_save_keeps_the_old_file(trained: Trained, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fills in the middle of the write leaves the old checkpoint, whole."""
+    loaded = load_checkpoint(trained.checkpoint)
+    path = save_inference_checkpoint(tmp_path / "model.pt", loaded.captioner, loaded.vocab)
+    before = path.read_bytes()
+    real = torch.save
+
+    def half_then_full(obj: Any, f: Any) -> None:
+        real(obj, f)
+        with open(f, "r+b") as out:
+            out.truncate(100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", half_then_full)
+    with pytest.raises(OSError, match="No space"):
+        save_inference_checkpoint(path, loaded.captioner, loaded.vocab, DecodeConfig(beam_size=5))
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
+
+
 def test_every_load_uses_weights_only(trained: Trained, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[dict[str, Any]] = []
     real = torch.load
