@@ -338,6 +338,25 @@ def test_resume_from_a_mid_scst_checkpoint(cross_entropy: Path, shapes_dm_kwargs
     assert resumed["global_step"] == 2 * BATCHES and resumed["epoch"] == 2
 
 
+def test_init_from_writes_nothing_into_a_busy_run_folder(
+        cross_entropy: Path, shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The run folder is claimed before init_from writes its vocabulary there: a second run
+    is refused without touching the first one's files."""
+    from captioning.commands.lightning import INIT_FROM_VOCAB
+    from captioning.locks import claim_folder
+
+    run = tmp_path / "run"
+    cfg = _fit_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, run / "ckpt",
+                      model={**SCST_MODEL, "init_from": str(cross_entropy)})
+    with claim_folder(run):
+        (run / INIT_FROM_VOCAB).write_text("the first run's")
+        assert main(["fit", "--config", str(cfg)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "run folder in use by another run" in err[0]
+    assert (run / INIT_FROM_VOCAB).read_text() == "the first run's"
+
+
 def test_init_from_a_missing_file_is_one_line(shapes_dm_kwargs: dict, cache_dir: Path,
                                                tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:

@@ -252,13 +252,14 @@ class CaptioningCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
-        self._apply_init_from()
         cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         root = cfg.get("trainer", {}).get("default_root_dir")
         if self.subcommand and root and self._claims is not None and rank_zero_only.rank == 0:
             # one run per run folder: a second one would mix its files with this one's (the
-            # other processes of a DDP run are the same run: global rank zero holds it)
+            # other processes of a DDP run are the same run: global rank zero holds it). Held
+            # before anything is written there (init_from's vocabulary).
             self._claims.enter_context(claim_folder(root))
+        self._apply_init_from()
         logger = cfg.get("trainer", {}).get("logger")
         for lg in logger if isinstance(logger, list) else [logger]:
             if hasattr(lg, "get") and "Wandb" in str(lg.get("class_path", "")):
