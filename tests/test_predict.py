@@ -203,7 +203,8 @@ def test_a_list_entry_that_names_nothing_is_reported_with_its_file_and_line(
     (tmp_path / "pics").mkdir()
     (tmp_path / "pics" / "b.png").write_bytes(b"")
     listing = tmp_path / "images.txt"
-    listing.write_text("a.png\n# a comment\nmissing.png\npics/*.png\nnone/*.png\n")
+    listing.write_text("\ufeffa.png\n# a comment\nmissing.png\npics/*.png\nnone/*.png\n",
+                       encoding="utf-8")  # with a byte-order mark, as Notepad writes it
     got = expand_predict_inputs([str(listing)])
     assert got.paths == [tmp_path / "a.png", tmp_path / "pics" / "b.png"]
     assert got.problems == [

@@ -64,7 +64,7 @@ def read_list_file(arg: str) -> tuple[list[tuple[int, str]], str | None]:
     or a problem."""
     path = list_path(arg)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM (Notepad) is not part of line 1
     except FileNotFoundError:
         return [], f"{path}: list file does not exist"
     except (OSError, UnicodeDecodeError) as e:
