@@ -13,6 +13,7 @@ from captioning.losses import masked_cross_entropy, sequence_log_likelihood, tar
 from captioning.models import AttentionLSTMDecoder, Captioner, CaptionerConfig, CNNEncoder
 from captioning.models.decoder import DecoderOutput
 from captioning.models.decoding import greedy_search
+from captioning.models.encoder import BACKBONES
 
 V, D, L = 12, 16, 6  # vocabulary (4 specials + 8 words), feature dim, locations
 PAD, START, END = 0, 1, 2
@@ -283,6 +284,19 @@ def test_encoder_without_pooling_keeps_the_stride_grid() -> None:
     enc = CNNEncoder(backbone="resnet18", weights=None, grid_size=None)
     assert enc(torch.randn(1, 3, 96, 96)).shape == (1, 9, 512)
     assert enc.grid_shape(96) == (3, 3)
+
+
+@pytest.mark.parametrize("backbone", sorted(BACKBONES))
+def test_grid_shape_is_the_bodys_at_any_size(backbone: str) -> None:
+    """The grid that pointing and the overlays reshape α into is the one the body gives,
+    also where the size is no multiple of the stride (VGG's max-pools round down, the
+    others' padded strides up). Shapes only: built and run on the meta device."""
+    with torch.device("meta"):
+        enc = CNNEncoder(backbone=backbone, weights=None, grid_size=None)
+        for size in (200, 224, 250, 257):
+            L = enc(torch.empty(1, 3, size, size)).size(1)
+            gh, gw = enc.grid_shape(size)
+            assert gh * gw == L, (backbone, size)
 
 
 def test_encoder_loads_a_local_weights_file(tmp_path) -> None:

@@ -23,6 +23,11 @@ class BackboneSpec:
     dim: int  # channels D of the annotation vectors
     stride: int  # input pixels per grid cell
     cut: Callable[[nn.Module], nn.Module]
+    pools_down: bool = False  # unpadded max-pools drop an odd last row (VGG); else padded
+
+    def side(self, image_size: int) -> int:
+        """Grid cells per side for a square input of `image_size` pixels."""
+        return image_size // self.stride if self.pools_down else -(-image_size // self.stride)
 
 
 def _vgg_conv5_4(m: nn.Module) -> nn.Module:
@@ -45,7 +50,7 @@ def _mobilenet_s16(m: nn.Module) -> nn.Module:
 
 
 BACKBONES: dict[str, BackboneSpec] = {
-    "vgg19": BackboneSpec("vgg19", "VGG19_Weights", 512, 16, _vgg_conv5_4),
+    "vgg19": BackboneSpec("vgg19", "VGG19_Weights", 512, 16, _vgg_conv5_4, pools_down=True),
     "resnet50": BackboneSpec("resnet50", "ResNet50_Weights", 2048, 32, _resnet_layer4),
     "resnet101": BackboneSpec("resnet101", "ResNet101_Weights", 2048, 32, _resnet_layer4),
     "resnet18": BackboneSpec("resnet18", "ResNet18_Weights", 512, 32, _resnet_layer4),
@@ -115,7 +120,7 @@ def _pretrained(builder: Any, member: Any, name: str) -> nn.Module:
 
 
 class CNNEncoder(nn.Module):
-    """Image (B, 3, H, W) -> annotation grid (B, L, D), L = gh·gw (Eq. 1's a = {a_1..a_L})."""
+    """Image (B, 3, H, W) -> annotation grid (B, L, D), L = gh·gw (§3.1.1's a = {a_1..a_L})."""
 
     def __init__(
         self,
@@ -130,8 +135,7 @@ class CNNEncoder(nn.Module):
         model = build_backbone(backbone, weights)  # validates the name
         spec = BACKBONES[backbone]
         self.body = spec.cut(model)
-        self.dim = spec.dim
-        self.stride = spec.stride
+        self.dim, self.spec = spec.dim, spec
         self.grid = grid_size
         self.pool = nn.AdaptiveAvgPool2d(grid_size) if grid_size else nn.Identity()
         self.trainable = trainable
@@ -152,7 +156,7 @@ class CNNEncoder(nn.Module):
         """(gh, gw) of the grid for a square input of `image_size` pixels."""
         if self.grid:
             return (self.grid, self.grid)
-        n = -(-image_size // self.stride)
+        n = self.spec.side(image_size)
         return (n, n)
 
     def forward(self, images: Tensor) -> Tensor:
