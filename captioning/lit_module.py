@@ -23,7 +23,7 @@ from captioning.models.decoder import resolve_fast_path
 from captioning.models.decoding import Generation
 from captioning.models.encoder import fingerprint
 from captioning.objectives import build_objective
-from captioning.optim import StepGuard, batch_message, build_adam, poisoned_loss
+from captioning.optim import StepGuard, batch_message, build_adam, poisoned_loss, says_non_finite
 from captioning.scst import ScstConfig
 from captioning.train_values import TrainValues
 from captioning.vocab import Vocabulary
@@ -174,9 +174,9 @@ class CaptioningModule(L.LightningModule):
         try:
             parts = self.losses(batch)
         except RuntimeError as e:  # e.g. hard attention sampling from NaN attention weights
-            if "nan" not in str(e).lower() and "inf" not in str(e).lower():
+            if not says_non_finite(e):
                 raise
-            what = "values in the forward pass"
+            what = f"values in the forward pass ({e})"  # the cause, on every rank
             if self.trainer.world_size < 2:
                 raise FloatingPointError(batch_message(what, batch, batch_idx, **where)) from e
             loss = poisoned_loss(self.parameters())  # DDP: the other ranks stop with this one

@@ -4,6 +4,7 @@ a non-finite loss or gradient before the weights change, with at most one host s
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -178,6 +179,17 @@ def _norms(grads: list[Tensor]) -> Tensor:
     if grads[0].is_cuda:
         return torch.stack(torch._foreach_norm(grads))
     return torch.stack([torch.linalg.vector_norm(g) for g in grads])
+
+
+#: NaN or inf named in an error's message as a word: torch.multinomial's "probability tensor
+#: contains either `inf`, `nan` or element < 0", not "Inference tensors ..." or "info".
+NON_FINITE_WORDS = re.compile(r"\b(nan|inf)\b", re.IGNORECASE)
+
+
+def says_non_finite(error: BaseException) -> bool:
+    """Whether an error is a forward pass meeting NaN or inf (a reason to stop as for a
+    non-finite loss), not some other fault to raise as it is."""
+    return NON_FINITE_WORDS.search(str(error)) is not None
 
 
 def batch_message(what: str, batch: Any, batch_idx: int, *, step: int, epoch: int) -> str:

@@ -346,3 +346,18 @@ def test_decoding_several_captions_keeps_each_image_its_own_best(tmp_path: Path)
     assert len({tuple(r) for r in both.tokens.tolist()}) > 3  # the beams did differ
     with pytest.raises(ValueError, match="6 decoded rows for 3 images"):
         to_results(both, vocab, ["a", "b", "c"])
+
+
+def test_only_errors_that_name_nan_or_inf_stop_as_non_finite() -> None:
+    """A forward pass that meets NaN stops the run as a non-finite loss does; an error that
+    merely contains the letters ("Inference tensors ...") is raised as it is."""
+    from captioning.optim import says_non_finite
+
+    with pytest.raises(RuntimeError) as sampling:
+        torch.multinomial(torch.tensor([[float("nan"), 1.0]]), 1)
+    with torch.inference_mode():
+        made = torch.ones(2)
+    with pytest.raises(RuntimeError) as inference:
+        (made * torch.ones(2, requires_grad=True)).sum().backward()
+    assert "inf" in str(inference.value).lower()  # the letters, not the word
+    assert says_non_finite(sampling.value) and not says_non_finite(inference.value)
