@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from captioning.models.decoder import DecoderState, Memory
+from captioning.vocab import Vocabulary
 
 NEG_INF = float("-inf")
 
@@ -36,7 +37,7 @@ class Generation:
 
     tokens: Tensor  # (N, T) word ids, <end> included when emitted, then <pad>
     lengths: Tensor  # (N,) emitted tokens, <end> included
-    scores: Tensor  # (N,) Σ log p of the emitted tokens
+    scores: Tensor  # (N,) Σ log p of the emitted tokens (sampling: p over the allowed words)
     alphas: Tensor  # (N, T, L) α of every emitted word, zero past the end
     locations: Tensor  # (N, T) location attended (argmax α, or the hard sample)
     finished: Tensor  # (N,) bool: the caption ended with <end> within max_len
@@ -56,18 +57,25 @@ class Generation:
 
 @dataclass(frozen=True)
 class SpecialIds:
-    pad: int = 0
-    start: int = 1
-    end: int = 2
-    unk: int = 3
+    """The ids the searches treat apart: `Vocabulary`'s, the same in every vocabulary."""
+
+    pad: int = Vocabulary.pad_id
+    start: int = Vocabulary.start_id
+    end: int = Vocabulary.end_id
+    unk: int = Vocabulary.unk_id
 
 
-def _banned(log_probs: Tensor, ids: SpecialIds, forbid_unk: bool) -> Tensor:
-    """Never emit <pad> or <start>; optionally never <unk>."""
-    log_probs[:, ids.pad] = NEG_INF
-    log_probs[:, ids.start] = NEG_INF
-    if forbid_unk:
-        log_probs[:, ids.unk] = NEG_INF
+IDS = SpecialIds()
+
+
+def banned_ids(forbid_unk: bool) -> list[int]:
+    """The words no search emits: <pad> and <start>, and <unk> when forbidden."""
+    return [IDS.pad, IDS.start, *([IDS.unk] if forbid_unk else [])]
+
+
+def _banned(log_probs: Tensor, forbid_unk: bool) -> Tensor:
+    """`banned_ids` set to -inf in place (the searches that need no gradient)."""
+    log_probs[:, banned_ids(forbid_unk)] = NEG_INF
     return log_probs
 
 
@@ -84,7 +92,6 @@ def greedy_search(
     features: Tensor,
     *,
     max_len: int = 20,
-    ids: SpecialIds = SpecialIds(),
     forbid_unk: bool = False,
 ) -> Generation:
     """Argmax word at every step, batched over images; stops when all have emitted <end>."""
@@ -92,8 +99,8 @@ def greedy_search(
     state = decoder.init_state(memory)
     N, L = features.size(0), features.size(1)
     device = features.device
-    tokens = torch.full((N,), ids.start, dtype=torch.long, device=device)
-    out_tokens = torch.full((N, max_len), ids.pad, dtype=torch.long, device=device)
+    tokens = torch.full((N,), IDS.start, dtype=torch.long, device=device)
+    out_tokens = torch.full((N, max_len), IDS.pad, dtype=torch.long, device=device)
     out_alphas = features.new_zeros(N, max_len, L, dtype=torch.float)
     out_locs = torch.zeros(N, max_len, dtype=torch.long, device=device)
     scores = torch.zeros(N, device=device)
@@ -101,26 +108,26 @@ def greedy_search(
     lengths = torch.zeros(N, dtype=torch.long, device=device)
     for t in range(max_len):
         log_probs, state, alpha = decoder.step(tokens, state, memory)
-        log_probs = _banned(log_probs, ids, forbid_unk)
+        log_probs = _banned(log_probs, forbid_unk)
         best, tokens = log_probs.max(dim=-1)
         live = ~done
-        out_tokens[:, t] = torch.where(live, tokens, ids.pad)
+        out_tokens[:, t] = torch.where(live, tokens, IDS.pad)
         out_alphas[:, t] = alpha.float() * live.unsqueeze(1)
         out_locs[:, t] = torch.where(live, state.location, 0)
         scores += torch.where(live, best, 0.0)
         lengths += live.long()
-        done |= tokens == ids.end
+        done |= tokens == IDS.end
         if bool(done.all()):
             break
     T = int(lengths.max().item()) if N else 0
     return Generation(out_tokens[:, :T], lengths, scores, out_alphas[:, :T], out_locs[:, :T], done)
 
 
-def _allowed(log_probs: Tensor, ids: SpecialIds, forbid_unk: bool) -> Tensor:
-    """`_banned` out of place (autograd-safe), renormalised over the words that may be emitted."""
-    banned = [ids.pad, ids.start, *([ids.unk] if forbid_unk else [])]
+def _allowed(log_probs: Tensor, forbid_unk: bool) -> Tensor:
+    """`banned_ids` masked out of place (autograd-safe), renormalised over the words that may
+    be emitted."""
     mask = torch.zeros(log_probs.size(-1), dtype=torch.bool, device=log_probs.device)
-    mask[banned] = True
+    mask[banned_ids(forbid_unk)] = True
     return log_probs.masked_fill(mask, NEG_INF).log_softmax(dim=-1)
 
 
@@ -137,7 +144,6 @@ def sample_search(
     num_samples: int = 1,
     temperature: float = 1.0,
     max_len: int = 20,
-    ids: SpecialIds = SpecialIds(),
     forbid_unk: bool = False,
     grad: bool = False,
     generator: torch.Generator | None = None,
@@ -155,23 +161,30 @@ def sample_search(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     with contextlib.nullcontext() if grad else torch.no_grad():
-        memory = decoder.memory(features)  # once per image, then shared by its k rows
-        state = decoder.init_state(memory)
-        if num_samples > 1:
-            memory = type(memory)(*(m.repeat_interleave(num_samples, dim=0) for m in memory))
-            state = type(state)(*(x.repeat_interleave(num_samples, dim=0) for x in state))
+        memory, state = _start(decoder, features, num_samples)
         gen = _sample_loop(decoder, memory, state, temperature=temperature, max_len=max_len,
-                           ids=ids, forbid_unk=forbid_unk, generator=generator)
+                           forbid_unk=forbid_unk, generator=generator)
     gen.per_image = num_samples
     return gen
 
 
+def _start(decoder: StepDecoder, features: Tensor, k: int) -> tuple[Memory, DecoderState]:
+    """The memory and initial state of each image, computed once and repeated for its k rows
+    (image-major)."""
+    memory = decoder.memory(features)
+    state = decoder.init_state(memory)
+    if k == 1:
+        return memory, state
+    return (type(memory)(*(m.repeat_interleave(k, dim=0) for m in memory)),
+            type(state)(*(x.repeat_interleave(k, dim=0) for x in state)))
+
+
 def _sample_loop(decoder: StepDecoder, memory: Memory, state: DecoderState, *,
-                 temperature: float, max_len: int, ids: SpecialIds, forbid_unk: bool,
+                 temperature: float, max_len: int, forbid_unk: bool,
                  generator: torch.Generator | None) -> Generation:
     """The sampling steps over N rows; per-step outputs are stacked once (autograd-friendly)."""
     N, device = memory.values.size(0), memory.values.device
-    tokens = torch.full((N,), ids.start, dtype=torch.long, device=device)
+    tokens = torch.full((N,), IDS.start, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     words_t: list[Tensor] = []
     log_p_t: list[Tensor] = []
@@ -179,18 +192,18 @@ def _sample_loop(decoder: StepDecoder, memory: Memory, state: DecoderState, *,
     locs_t: list[Tensor] = []
     for _ in range(max_len):
         log_probs, state, alpha = decoder.step(tokens, state, memory)
-        policy = _allowed(log_probs, ids, forbid_unk)  # (N, V)
+        policy = _allowed(log_probs, forbid_unk)  # (N, V)
         tokens = _draw(policy, temperature, generator)  # (N,)
         live = ~done
-        words_t.append(torch.where(live, tokens, ids.pad))
+        words_t.append(torch.where(live, tokens, IDS.pad))
         log_p_t.append(torch.where(live, policy.gather(1, tokens.unsqueeze(1)).squeeze(1), 0.0))
         alphas_t.append(alpha.detach().float() * live.unsqueeze(1))
         locs_t.append(torch.where(live, state.location, 0))
-        done = done | (tokens == ids.end)
+        done = done | (tokens == IDS.end)
         if bool(done.all()):
             break
     words = torch.stack(words_t, dim=1)  # (N, T)
-    lengths = (words != ids.pad).sum(dim=1)  # <pad> is never drawn
+    lengths = (words != IDS.pad).sum(dim=1)  # <pad> is never drawn
     T = int(lengths.max().item()) if N else 0
     log_p = torch.stack(log_p_t, dim=1)[:, :T]  # (N, T)
     return Generation(words[:, :T], lengths, log_p.sum(dim=1),
@@ -246,7 +259,6 @@ def beam_search(
     beam_size: int = 3,
     max_len: int = 20,
     length_penalty: float = 0.0,
-    ids: SpecialIds = SpecialIds(),
     forbid_unk: bool = False,
     num_captions: int = 1,
 ) -> Generation:
@@ -264,24 +276,22 @@ def beam_search(
         raise ValueError(f"num_captions must be in [1, beam_size={beam_size}], got {num_captions}")
     N, L = features.size(0), features.size(1)
     k, nb, device = beam_size, num_captions, features.device
-    memory = decoder.memory(features)
-    memory = type(memory)(*(m.repeat_interleave(k, dim=0) for m in memory))  # (N·k, ...)
-    state = decoder.init_state(memory)
+    memory, state = _start(decoder, features, k)  # (N·k, ...)
     alive = torch.arange(N, device=device)  # original index of each image still searching
 
-    tokens = torch.full((N * k,), ids.start, dtype=torch.long, device=device)
+    tokens = torch.full((N * k,), IDS.start, dtype=torch.long, device=device)
     beam_scores = torch.full((N, k), NEG_INF, device=device)
     beam_scores[:, 0] = 0.0  # all beams start identical: keep one live
     hist_tok = torch.empty(N, k, 0, dtype=torch.long, device=device)
     hist_alpha = torch.empty(N, k, 0, L, device=device)
     hist_loc = torch.empty(N, k, 0, dtype=torch.long, device=device)
-    fin = _Finished(N, nb, max_len, L, ids.pad, device)
+    fin = _Finished(N, nb, max_len, L, IDS.pad, device)
 
     for t in range(max_len):
         n = alive.numel()
         log_probs, state, alpha = decoder.step(tokens, state, memory)
         V = log_probs.size(-1)
-        log_probs = _banned(log_probs, ids, forbid_unk)
+        log_probs = _banned(log_probs, forbid_unk)
         cand = (beam_scores.unsqueeze(-1) + log_probs.view(n, k, V)).view(n, k * V)
         # 2k candidates always hold >= k that do not end: <end> is one word per beam.
         top_scores, top_idx = cand.topk(min(2 * k, k * V), dim=1)  # (n, 2k)
@@ -292,7 +302,7 @@ def beam_search(
         # Finished candidates: an <end> among the top k (as in fairseq, so k = 1 is greedy)
         # competes with each image's n best finished hypotheses so far; a stable sort keeps
         # the older one on ties.
-        is_end = (word[:, :k] == ids.end) & torch.isfinite(top_scores[:, :k])
+        is_end = (word[:, :k] == IDS.end) & torch.isfinite(top_scores[:, :k])
         norm = length_normalised(top_scores[:, :k], torch.full_like(word[:, :k], length),
                                  length_penalty)
         norm = torch.where(is_end, norm, torch.full_like(norm, NEG_INF))  # (n, k)
@@ -306,9 +316,9 @@ def beam_search(
             b = src_beam[local].gather(1, j)  # (c, nb) beam the new hypothesis extends
             rows = local.unsqueeze(1) * k + b  # (c, nb) rows of this step
             c = local.numel()
-            tok = torch.full((c, nb, max_len), ids.pad, dtype=torch.long, device=device)
+            tok = torch.full((c, nb, max_len), IDS.pad, dtype=torch.long, device=device)
             tok[:, :, :t] = hist_tok[local.unsqueeze(1), b]
-            tok[:, :, t] = ids.end
+            tok[:, :, t] = IDS.end
             alphas = torch.zeros(c, nb, max_len, L, device=device)
             alphas[:, :, :t] = hist_alpha[local.unsqueeze(1), b]
             alphas[:, :, t] = alpha[rows].float()
@@ -320,7 +330,7 @@ def beam_search(
                      tok, alphas, locs)
 
         # Live candidates: the best k that did not end.
-        live_scores = torch.where(word == ids.end, torch.full_like(top_scores, NEG_INF), top_scores)
+        live_scores = torch.where(word == IDS.end, torch.full_like(top_scores, NEG_INF), top_scores)
         beam_scores, order = live_scores.topk(k, dim=1)  # (n, k)
         src = src_beam.gather(1, order)
         new_word = word.gather(1, order)
