@@ -32,19 +32,9 @@ def caption_word_log_likelihoods(logits: Tensor, captions: Tensor,
     return word_log_likelihoods(logits, captions[:, 1 : T + 1], mask), mask
 
 
-def sequence_log_likelihood(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
-    """log p(y | a) per caption (B,): Σ_t log p(y_t | ...) over real words only."""
-    return word_log_likelihoods(logits, targets, mask).sum(dim=1)
-
-
 def reward_to_go(rewards: Tensor, mask: Tensor) -> Tensor:
     """Σ_{t' ≥ t} r_t' per step (B, T), zero on padding."""
     return (rewards * mask).flip(1).cumsum(1).flip(1)  # padding trails, so it sums to zero
-
-
-def masked_cross_entropy(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
-    """Mean over captions of the summed negative log-likelihood; padding adds nothing."""
-    return -sequence_log_likelihood(logits, targets, mask).mean()
 
 
 def doubly_stochastic_penalty(alphas: Tensor, mask: Tensor) -> Tensor:

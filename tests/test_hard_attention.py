@@ -15,10 +15,10 @@ from captioning.lit_module import CaptioningModule
 from captioning.losses import (
     MovingAverageBaseline,
     TokenBaseline,
+    caption_word_log_likelihoods,
     entropy_bonus,
     reinforce_loss,
     reward_to_go,
-    sequence_log_likelihood,
     target_mask,
 )
 from captioning.models import AttentionLSTMDecoder, CaptionerConfig
@@ -51,9 +51,8 @@ def random_batch(B: int, *, seed: int, max_words: int = 4) -> tuple[Tensor, Tens
 
 
 def log_likelihood(out, caps: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-    T = out.logits.size(1)
-    mask = target_mask(lengths, T)
-    return sequence_log_likelihood(out.logits, caps[:, 1 : T + 1], mask), mask
+    word_ll, mask = caption_word_log_likelihoods(out.logits, caps, lengths)
+    return word_ll.sum(1), mask
 
 
 # -- REINFORCE is unbiased ----------------------------------------------------------------------

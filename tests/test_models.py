@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from captioning.lit_module import CaptioningModule
-from captioning.losses import masked_cross_entropy, sequence_log_likelihood, target_mask
+from captioning.losses import caption_word_log_likelihoods, target_mask, word_log_likelihoods
 from captioning.models import AttentionLSTMDecoder, Captioner, CaptionerConfig, CNNEncoder
 from captioning.models.decoder import DecoderOutput
 from captioning.models.decoding import greedy_search
@@ -46,8 +46,8 @@ def random_batch(B: int, *, seed: int = 0, max_words: int = 5) -> tuple[Tensor, 
 
 
 def loss_of(out: DecoderOutput, caps: Tensor, lengths: Tensor) -> Tensor:
-    T = out.logits.size(1)
-    return masked_cross_entropy(out.logits, caps[:, 1 : T + 1], target_mask(lengths, T))
+    """The mean over captions of −log p(y | a)."""
+    return -caption_word_log_likelihoods(out.logits, caps, lengths)[0].sum(1).mean()
 
 
 # -- shapes and masking -------------------------------------------------------------------------
@@ -123,7 +123,8 @@ def test_padding_gets_no_loss() -> None:
     logits[~mask] = torch.randn(int((~mask).sum()), V) * 100
     T = logits.size(1)
     torch.testing.assert_close(
-        masked_cross_entropy(logits, caps[:, 1 : T + 1], mask), loss, rtol=0, atol=0)
+        -word_log_likelihoods(logits, caps[:, 1 : T + 1], mask).sum(1).mean(), loss, rtol=0,
+        atol=0)
 
 
 def test_captions_of_different_lengths_match_one_by_one() -> None:
@@ -133,12 +134,12 @@ def test_captions_of_different_lengths_match_one_by_one() -> None:
     feats, caps, lengths = random_batch(5, seed=3)
     assert len(set(lengths.tolist())) > 1
     out = dec(feats, caps, lengths)
-    T = out.logits.size(1)
-    batch_ll = sequence_log_likelihood(out.logits, caps[:, 1 : T + 1], target_mask(lengths, T))
+    batch_ll = caption_word_log_likelihoods(out.logits, caps, lengths)[0].sum(1)
     for i in range(5):
         n = int(lengths[i])
         one = dec(feats[i : i + 1], caps[i : i + 1, :n], lengths[i : i + 1])
-        ll = sequence_log_likelihood(one.logits, caps[i : i + 1, 1:n], target_mask(lengths[i : i + 1], n - 1))
+        ll = caption_word_log_likelihoods(one.logits, caps[i : i + 1, :n], lengths[i : i + 1])[0]
+        ll = ll.sum(1)
         torch.testing.assert_close(batch_ll[i : i + 1], ll, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.alphas[i, : n - 1], one.alphas[0], atol=1e-6, rtol=1e-5)
 
