@@ -6,6 +6,8 @@ Per-caption quantities are summed over time, as in the paper and the authors' ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -110,13 +112,17 @@ class TokenBaseline(nn.Module):
         return self.value[targets]
 
     @torch.no_grad()
-    def update(self, word_rewards: Tensor, targets: Tensor, mask: Tensor) -> None:
-        """Fold in the mean reward of each target word under `mask` (non-finite ones skipped)."""
+    def update(self, word_rewards: Tensor, targets: Tensor, mask: Tensor, *,
+               reduce: Callable[[Tensor], Tensor] | None = None) -> None:
+        """Fold in the mean reward of each target word under `mask` (non-finite ones skipped).
+        `reduce` sums the (2, V) per-word sums and counts over processes (DDP's all-reduce)."""
         r = word_rewards.detach().float()
         mask = mask & torch.isfinite(r)  # a NaN step must not poison b
         tok, r = targets[mask], r[mask]
-        sums = torch.zeros_like(self.value).index_add_(0, tok, r)
-        counts = torch.zeros_like(self.value).index_add_(0, tok, torch.ones_like(r))
+        stats = self.value.new_zeros(2, self.value.numel())  # Σ reward and count per word
+        stats[0].index_add_(0, tok, r)
+        stats[1].index_add_(0, tok, torch.ones_like(r))
+        sums, counts = stats if reduce is None else reduce(stats)
         now = counts > 0
         mean = sums / counts.clamp_min(1)
         m = torch.where(self.seen, self.momentum, 0.0)  # first sight: take the batch mean

@@ -206,7 +206,7 @@ class TokenReinforce(Reinforce):
         base = reward_to_go(self.token_baseline(targets), mask)
         if self.training:  # on every rank, every step: the update is a collective under DDP
             used = mask if sampled is None else mask & sampled.unsqueeze(1)
-            update_token_baseline(self.token_baseline, word_ll, targets, used)
+            self.token_baseline.update(word_ll, targets, used, reduce=all_reduce)
         return self.per_caption(reward_to_go(word_ll, mask), mask), self.per_caption(base, mask)
 
 
@@ -329,22 +329,6 @@ class SelfCritical(Objective):
 
 #: Objectives of the hard-attention estimators other than REINFORCE, by `net.hard_estimator`.
 HARD_ESTIMATORS: dict[str, type[Objective]] = {"gumbel": GumbelStraightThrough}
-
-
-@torch.no_grad()
-def update_token_baseline(baseline: TokenBaseline, word_rewards: Tensor, targets: Tensor,
-                          mask: Tensor) -> None:
-    """Fold each target word's mean reward under `mask`, over every DDP rank's batch, into
-    the per-word baseline (non-finite rewards are left out)."""
-    r = word_rewards.detach().float()
-    mask = mask & torch.isfinite(r)
-    stats = r.new_zeros(2, baseline.value.numel())  # (2, V): Σ reward and count per word
-    stats[0].index_add_(0, targets[mask], r[mask])
-    stats[1].index_add_(0, targets[mask], torch.ones_like(r[mask]))
-    sums, counts = all_reduce(stats)
-    words = (counts > 0).nonzero()[:, 0]  # (K,) words seen on some rank
-    means = (sums[words] / counts[words]).unsqueeze(0)  # (1, K)
-    baseline.update(means, words.unsqueeze(0), torch.ones_like(means, dtype=torch.bool))
 
 
 @torch.no_grad()
