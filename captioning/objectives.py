@@ -120,6 +120,9 @@ class Reinforce(MaximumLikelihood):
     moves only in training mode.
     """
 
+    #: Whether the advantage is taken against the moving average b of R (`baseline`).
+    moving_baseline = True
+
     def __init__(self, *, doubly_stochastic: float = 1.0, reward_scale: float = 0.1,
                  entropy_weight: float = 0.002, baseline_momentum: float = 0.9,
                  reward: RewardForm = "sum") -> None:
@@ -167,9 +170,10 @@ class Reinforce(MaximumLikelihood):
             # the whole caption's advantage (step 0 of a reward-to-go)
             parts["advantage"] = (reward - base).reshape(len(reward), -1)[sampled, 0].mean()
             parts["reward"] = caption_reward[sampled].mean()
-        if self.training:  # on every rank, every step: the update is a collective under DDP
-            self.update_baseline(caption_reward, sampled)
-        parts["baseline"] = self.baseline.value.clone()
+        if self.moving_baseline:  # the others keep the buffer only for old checkpoints
+            if self.training:  # on every rank, every step: a collective under DDP
+                self.update_baseline(caption_reward, sampled)
+            parts["baseline"] = self.baseline.value.clone()
         return parts
 
     @torch.no_grad()
@@ -190,6 +194,8 @@ register("sequence")(Reinforce)
 class TokenReinforce(Reinforce):
     """R_t = Σ_{t'≥t} log p(y_t' | ...), the reward-to-go (α_t cannot change earlier words),
     against the same sum of per-word moving averages b[y_t']."""
+
+    moving_baseline = False
 
     def __init__(self, *, vocab_size: int, doubly_stochastic: float = 1.0,
                  reward_scale: float = 0.1, entropy_weight: float = 0.002,
@@ -214,6 +220,8 @@ class TokenReinforce(Reinforce):
 class ExpectedReinforce(Reinforce):
     """The reward-to-go against that of the same caption decoded with the expected context:
     a per-caption baseline, one extra forward pass without gradient."""
+
+    moving_baseline = False
 
     def reward_and_baseline(self, captioner: Captioner, features: Tensor, batch: Batch,
                             word_ll: Tensor, mask: Tensor,

@@ -500,7 +500,7 @@ def test_hard_training_with_extreme_inputs_stays_finite(advantage: str) -> None:
         opt.step()
     assert all(torch.isfinite(p).all() for p in module.parameters())
     baseline = module.objective.baseline.value
-    assert torch.isfinite(baseline) and baseline.item() != 0.0
+    assert torch.isfinite(baseline) and (baseline.item() != 0.0) == (advantage == "sequence")
     if advantage == "token":  # the per-word baseline moved for the target words (END, 4..V-1)
         b = module.objective.token_baseline.value
         assert torch.isfinite(b).all() and bool((b[[END, *range(4, V)]] < 0).all())
@@ -530,3 +530,18 @@ def test_expected_context_baseline_scores_the_sampled_captions_without_gradient(
     parts = module.losses(batch, feats)
     parts["loss"].backward()
     assert all(p.grad is not None and bool(p.grad.any()) for p in dec.attention.parameters())
+
+
+@pytest.mark.parametrize("advantage", ["sequence", "token", "expected"])
+def test_only_the_sequence_estimator_moves_and_logs_the_moving_baseline(advantage: str) -> None:
+    """The token and expected estimators take their advantage against their own baselines:
+    the moving average of R is neither updated (no collective) nor logged as if it were."""
+    torch.manual_seed(0)
+    module = CaptioningModule(net=CaptionerConfig(
+        vocab_size=V, backbone="resnet18", grid_size=None, embed_dim=16, hidden_dim=16,
+        attn_dim=16, attention="hard", semi_sampling_prob=0.0), advantage=advantage).train()
+    _, caps, lengths = random_batch(6, seed=5)
+    feats = torch.randn(6, L, 512)  # resnet18's 512-wide grid
+    parts = module.losses(SimpleNamespace(images=feats, captions=caps, lengths=lengths), feats)
+    moved = bool(module.objective.baseline.value != 0)
+    assert moved == ("baseline" in parts) == (advantage == "sequence")
