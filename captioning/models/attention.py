@@ -147,8 +147,9 @@ class AdditiveAttention(Scorer):
 
 class DotAttention(Scorer):
     """e_ti = (W_q h_{t-1})^T (W_k a_i), both projected to attn_dim (Luong et al. 2015, "dot").
-    No biases: a bias on either side would add a term shared by all locations (no gradient)
-    or one the other projection already spans."""
+    No biases: a key-side bias adds (W_q h)^T b_k, shared by all locations (softmax ignores it);
+    a query-side one adds b_q^T W_k a_i, a fixed prior over locations that does not depend on
+    h, which the score is meant to be a function of."""
 
     def __init__(self, *, feature_dim: int, hidden_dim: int, attn_dim: int,
                  n_layers: int = 1) -> None:
@@ -249,8 +250,9 @@ class Selection(NamedTuple):
 
 
 def sample_gumbel(like: Tensor) -> Tensor:
-    """g ~ Gumbel(0, 1) of `like`'s shape: −log(−log u), u ~ U(0, 1) kept off 0 and 1."""
-    u = torch.rand_like(like, dtype=torch.float32).clamp(LOG_EPS, 1.0 - LOG_EPS)
+    """g ~ Gumbel(0, 1) of `like`'s shape: −log(−log u), u ~ U[0, 1) kept off 0 (`rand`
+    never gives 1)."""
+    u = torch.rand_like(like, dtype=torch.float32).clamp_min(LOG_EPS)
     return -torch.log(-torch.log(u))
 
 
