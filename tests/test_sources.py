@@ -314,6 +314,22 @@ def test_a_bad_boxes_file_is_named(tmp_path: Path, entry: dict, field: str, word
         ObjectBoxes.load(tmp_path / "missing.json")
 
 
+def test_empty_and_repeated_box_ids_are_named(tmp_path: Path) -> None:
+    """An id the readers would refuse, or an image listed twice (its first objects would be
+    lost), is a problem of the file's entry, not a table that silently holds less."""
+    good = {"objects": [], "width": 9, "height": 9}
+    path = tmp_path / "boxes.json"
+    path.write_text(json.dumps({"images": [{**good, "image_id": 1}, {**good, "image_id": ""},
+                                           {**good, "image_id": 1}]}))
+    with pytest.raises(DataError) as info:
+        ObjectBoxes.load(path)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith(f"{path}: images[1]: field 'image_id': expected an int or "
+                               "non-empty string")
+    assert lines[1] == (f"{path}: images[2]: field 'image_id': duplicate image id 1 "
+                        "(first in images[0])")
+
+
 def test_a_bad_boxes_path_fails_at_setup(tmp_path: Path, shapes_root: Path) -> None:
     path = tmp_path / "boxes.json"
     path.write_text(json.dumps({"images": [{"image_id": 0, "objects": []}]}))

@@ -179,7 +179,7 @@ def _valid_id(value: Any) -> bool:
         isinstance(value, str) and value != "")
 
 
-def _id_problem(item: dict, key: str) -> str | None:
+def id_problem(item: dict, key: str) -> str | None:
     """Why `item[key]` is not a usable image id, or None when it is fine."""
     if key not in item:
         return "missing image id"
@@ -237,7 +237,7 @@ def _karpathy_image(report: Report, i: int, item: dict, seen: dict[Any, int], *,
     entry = f"images[{i}] (id {image_id!r})"
     n_before = len(report.problems)
 
-    why = _id_problem(item, id_field)
+    why = id_problem(item, id_field)
     if why is not None:
         report.add(entry, id_field if id_field in item else "cocoid/imgid", why)
     elif image_id in seen:
@@ -316,7 +316,7 @@ def _coco_image(report: Report, i: int, item: dict, index_of: dict[Any, int],
     image_id = item.get("id")
     entry = f"images[{i}] (id {image_id!r})"
     n_before = len(report.problems)
-    why = _id_problem(item, "id")
+    why = id_problem(item, "id")
     if why is not None:
         report.add(entry, "id", why)
     elif image_id in index_of or image_id in bad_ids:

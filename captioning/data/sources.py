@@ -42,6 +42,7 @@ from captioning.data.readers import (
     Problem,
     Records,
     load_json,
+    id_problem,
     read_coco_captions,
     read_karpathy,
     type_name,
@@ -138,14 +139,18 @@ def _boxes_problems(file: str, data: Any) -> Iterator[Problem]:
     if not isinstance(images, list):
         yield Problem(file, "(file)", "images", "expected an object with a list 'images'")
         return
+    first: dict[Any, int] = {}  # image id -> its first entry
     for i, e in enumerate(images):
         entry = f"images[{i}]"
         if not isinstance(e, dict):
             yield Problem(file, entry, "(entry)", f"expected an object, got {type_name(e)}")
             continue
-        if not isinstance(e.get("image_id"), (int, str)) or isinstance(e["image_id"], bool):
-            yield Problem(file, entry, "image_id", "missing" if "image_id" not in e else
-                          f"expected an int or string, got {type_name(e['image_id'])}")
+        why = id_problem(e, "image_id")
+        if why is not None:
+            yield Problem(file, entry, "image_id", why)
+        elif first.setdefault(e["image_id"], i) != i:  # its objects would be lost
+            yield Problem(file, entry, "image_id", f"duplicate image id {e['image_id']!r} "
+                          f"(first in images[{first[e['image_id']]}])")
         for key in ("width", "height"):
             if not _positive_int(e.get(key)):
                 yield Problem(file, entry, key, "missing" if key not in e else
