@@ -28,6 +28,12 @@ def shapes_source(root: str | Path) -> ShapesSource:
     return ShapesSource(root=str(root), **SHAPES_PARAMS)
 
 
+def boxes_table(path: Path) -> dict[Any, list[dict[str, Any]]]:
+    """boxes.json as {image_id: objects}, read plainly: the reference for the package's
+    readers and generator."""
+    return {e["image_id"]: e["objects"] for e in json.loads(path.read_text())["images"]}
+
+
 def shapes_cli_args(root: str | Path) -> list[str]:
     """LightningCLI flags for the session's shapes data under `root`, as `shapes_dm_kwargs`
     gives them to CaptionDataModule (64px, batch 4, eval batch 8)."""

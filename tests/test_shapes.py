@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import boxes_table
 from PIL import Image
 
 from captioning.data.readers import read_coco_captions, read_karpathy
@@ -16,7 +17,6 @@ from captioning.data.shapes import (
     SHAPES,
     SIZES,
     generate_shapes,
-    load_boxes,
     parse_objects,
     scene_objects,
 )
@@ -73,7 +73,7 @@ def test_refuses_to_overwrite_foreign_directory(tmp_path: Path) -> None:
 
 def test_layouts_and_captions(shapes_root: Path) -> None:
     data = json.loads((shapes_root / "dataset_shapes.json").read_text())
-    boxes = load_boxes(shapes_root / "boxes.json")
+    boxes = boxes_table(shapes_root / "boxes.json")
     images = data["images"]
     assert [im["split"] for im in images].count("train") == 24
     assert len(boxes) == len(images) == 40
@@ -104,7 +104,7 @@ def test_layouts_and_captions(shapes_root: Path) -> None:
 
 def test_canonical_caption_names_every_object_left_to_right(shapes_root: Path) -> None:
     data = json.loads((shapes_root / "dataset_shapes.json").read_text())
-    boxes = load_boxes(shapes_root / "boxes.json")
+    boxes = boxes_table(shapes_root / "boxes.json")
     counts = set()
     for im in data["images"]:
         objs = boxes[im["cocoid"]]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import SHAPES_PARAMS, shapes_cli_args, shapes_source
+from conftest import SHAPES_PARAMS, boxes_table, shapes_cli_args, shapes_source
 
 from captioning.data import sources
 from captioning.data.datamodule import CaptionDataModule
@@ -20,7 +20,6 @@ from captioning.data.shapes import (
     COLORS,
     SHAPES,
     SIZES,
-    load_boxes,
     parse_objects,
     scene_objects,
 )
@@ -217,7 +216,7 @@ def test_empty_split_names_the_source_file(tmp_path: Path, write_karpathy: Calla
 
 def _old_crop_boxes(path: Path, image_ids: list[Any], size: int) -> list[list[dict]]:
     """CaptionDataModule.crop_boxes as it was: boxes.json read twice, then mapped."""
-    boxes = load_boxes(path)
+    boxes = boxes_table(path)
     data = json.loads(path.read_text(encoding="utf-8"))
     sizes = {e["image_id"]: (int(e["width"]), int(e["height"])) for e in data["images"]}
     out = []
@@ -231,7 +230,7 @@ def _old_crop_boxes(path: Path, image_ids: list[Any], size: int) -> list[list[di
 def test_object_boxes_of_shapes(shapes_root: Path) -> None:
     g = shapes_source(shapes_root).grounding()
     assert isinstance(g, ObjectBoxes)
-    table = load_boxes(shapes_root / "boxes.json")
+    table = boxes_table(shapes_root / "boxes.json")
     assert g.table == table and len(g) == 40 and list(g.ids) == list(table)
     assert 0 in g and 39 in g and 40 not in g and "0" not in g
     for i in g.ids:
@@ -323,11 +322,10 @@ def test_empty_and_repeated_box_ids_are_named(tmp_path: Path) -> None:
                                            {**good, "image_id": 1}]}))
     with pytest.raises(DataError) as info:
         ObjectBoxes.load(path)
-    lines = str(info.value).splitlines()
-    assert lines[0].startswith(f"{path}: images[1]: field 'image_id': expected an int or "
-                               "non-empty string")
-    assert lines[1] == (f"{path}: images[2]: field 'image_id': duplicate image id 1 "
-                        "(first in images[0])")
+    assert [(p.entry, p.field, p.message) for p in info.value.problems] == [
+        ("images[1]", "image_id", "expected an int or non-empty string, got str"),
+        ("images[2]", "image_id", "duplicate image id 1 (first in images[0])")]
+    assert {p.file for p in info.value.problems} == {str(path)}
 
 
 def test_a_bad_boxes_path_fails_at_setup(tmp_path: Path, shapes_root: Path) -> None:

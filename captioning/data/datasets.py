@@ -6,7 +6,7 @@ length, longest first (the soft attention decoder of Xu et al. 2015 shrinks its 
 per time step).
 
 The model input of a record comes from an inputs dataset: `ImageInputs` loads and transforms
-images (3, H, W), `CachedInputs` serves cached feature grids (L, D); `collate_captions` stacks
+images (3, H, W), `CachedInputs` serves cached feature grids (L, D); `CaptionCollate` stacks
 either.
 """
 
@@ -69,8 +69,6 @@ class CaptionCollate:
         return CaptionBatch(images, captions, lengths, [it[2] for it in items],
                             [list(it[3]) for it in items])
 
-
-collate_captions = CaptionCollate()
 
 
 # --------------------------------------------------------------------------------------------

@@ -250,16 +250,6 @@ def scene_objects(boxes_entry: Mapping[str, Any] | Iterable[Mapping[str, Any]],
     return {(o["color"], o["shape"]) for o in objs}
 
 
-def load_boxes(path: str | os.PathLike[str]) -> dict[int | str, list[dict[str, Any]]]:
-    """Read boxes.json into {image_id: [{"color", "shape", "size", "bbox": [x, y, w, h]}, ...]}."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return {entry["image_id"]: list(entry["objects"]) for entry in data["images"]}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a valid boxes file ({type(e).__name__}: {e})") from e
-
-
 # --------------------------------------------------------------------------------------------
 # Generation
 
