@@ -186,7 +186,8 @@ def test_a_csv_header_needs_image_and_caption(tmp_path: Path) -> None:
 def test_unreadable_tables_always_raise(tmp_path: Path) -> None:
     cases = {"missing.jsonl": "file does not exist", "empty.jsonl": "no caption lines",
              "blank.csv": "no caption lines", "latin1.jsonl": "not UTF-8",
-             "folder.jsonl": "is a directory"}
+             "folder.jsonl": "is a directory", "loop.jsonl": "cannot read file"}
+    (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")  # any other OS error
     (tmp_path / "empty.jsonl").write_text("\n  \n")
     (tmp_path / "blank.csv").write_text("image,caption\n")
     (tmp_path / "latin1.jsonl").write_bytes(b'{"image": "a.png", "caption": "caf\xe9"}\n')
@@ -356,7 +357,7 @@ def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
         # The coco-caption scorers start two JVMs (~25 s here); ids are all they need from us.
         scored.extend(hypotheses)
         assert set(references) == set(hypotheses)
-        return {"BLEU-4": 0.0}
+        return {"BLEU-4": 0.125}  # a value only this stand-in gives
 
     monkeypatch.setattr(metrics, "coco_scores", scores)
     root = tmp_path / "my_images"
@@ -378,4 +379,4 @@ def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
                                                   test_size=4).read().splits["test"]}
     assert {c["image_id"] for c in captions} == set(scored) == test_ids and len(test_ids) == 4
     assert all(isinstance(i, str) and i.endswith(".png") for i in test_ids)
-    assert "BLEU-4" in json.loads((out / "test_metrics.json").read_text())
+    assert json.loads((out / "test_metrics.json").read_text())["BLEU-4"] == 0.125  # as scored

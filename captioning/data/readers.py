@@ -138,19 +138,22 @@ def type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def read_problem(file: Path, error: OSError) -> Problem:
+    """Why a file cannot be read: missing, a folder, or what the OS said (permissions, a
+    symlink loop, an I/O error)."""
+    why = ("file does not exist" if isinstance(error, FileNotFoundError) else
+           "is a directory" if isinstance(error, IsADirectoryError) else
+           f"cannot read file ({error.strerror or error})")
+    return Problem(str(file), "(file)", "(file)", why)
+
+
 def load_json(file: Path, object_hook: Callable[[dict], Any] | None = None) -> Any:
     """Parse a JSON file; every failure is a DataError naming the file (and line/column)."""
-    top = "(file)"
     try:
         with open(file, encoding="utf-8") as f:
             return json.load(f, object_hook=object_hook)
-    except FileNotFoundError:
-        raise DataError([Problem(str(file), top, "(file)", "file does not exist")]) from None
-    except IsADirectoryError:
-        raise DataError([Problem(str(file), top, "(file)", "is a directory")]) from None
     except OSError as e:
-        raise DataError([Problem(str(file), top, "(file)",
-                                 f"cannot read file ({e.strerror or e})")]) from None
+        raise DataError([read_problem(file, e)]) from None
     except json.JSONDecodeError as e:
         raise DataError([Problem(str(file), f"line {e.lineno} column {e.colno}", "(json)",
                                  f"malformed JSON: {e.msg}")]) from e
@@ -158,7 +161,7 @@ def load_json(file: Path, object_hook: Callable[[dict], Any] | None = None) -> A
         raise DataError([Problem(str(file), f"byte {e.start}", "(encoding)",
                                  f"not UTF-8 text: {e.reason}")]) from e
     except RecursionError:
-        raise DataError([Problem(str(file), top, "(json)",
+        raise DataError([Problem(str(file), "(file)", "(json)",
                                  "JSON nested too deeply to read")]) from None
 
 

@@ -45,6 +45,7 @@ from captioning.data.readers import (
     Report,
     caption_problem,
     check_policy,
+    read_problem,
     type_name,
 )
 from captioning.data.sources import DataSource, SourceRecords, carve
@@ -119,14 +120,11 @@ def _rows(file: Path) -> list[Row]:
     try:
         with open(file, encoding="utf-8-sig", newline="") as f:  # -sig: a BOM (Excel's CSV)
             return list(_csv_rows(f, file) if fmt == "csv" else _jsonl_rows(f))
-    except FileNotFoundError:
-        why = "file does not exist"
-    except IsADirectoryError:
-        why = "is a directory"
+    except OSError as e:
+        raise DataError([read_problem(file, e)]) from None
     except UnicodeDecodeError as e:
         raise DataError([Problem(str(file), "(file)", "(encoding)",
                                  f"not UTF-8 text: {e.reason}")]) from e
-    raise DataError([Problem(str(file), "(file)", "(file)", why)])
 
 
 def _image_path(row: dict[str, Any]) -> tuple[str | None, str | None]:
