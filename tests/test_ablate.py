@@ -86,6 +86,16 @@ def test_tiny_grid_end_to_end_with_a_failing_variant_and_resume(tiny_grid: Path)
     test_metrics = Path("runs/soft/dot/seed0/test_metrics.json")
     assert test_metrics.is_file()  # each cell's own run folder
 
+    # Another --out (or a lost results.csv): the cells' own results say they are done.
+    finished = {p: p.stat().st_mtime_ns for p in Path("runs").glob("soft/*/seed*/cell_result.json")}
+    assert len(finished) == 4
+    assert main([*args[:-4], "--out", "elsewhere", "--runs", "runs"]) == 1  # bad fails again
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished  # nothing retrained
+    again = read_csv(Path("elsewhere/results.csv"))
+    assert [(r["variant"], r["status"]) for r in again] == [(r["variant"], r["status"])
+                                                            for r in rows]
+    assert [r["BLEU-4"] for r in again[:4]] == [r["BLEU-4"] for r in rows[:4]]
+
 
 def test_dry_run_lists_every_cell(tiny_grid: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ablate", "--grid", str(tiny_grid), "--dry-run", "--seeds", "0,1,2",
@@ -163,3 +173,21 @@ def test_alpha_entropy_is_the_mean_over_steps() -> None:
     uniform, peaked = torch.full((2, 4), 0.25), torch.tensor([[1.0, 0.0, 0.0, 0.0]])
     assert alpha_entropy([uniform, peaked]) == pytest.approx(2 * math.log(4) / 3)
     assert math.isnan(alpha_entropy([]))
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("base: [a]\nvariants: {x: {}}\n", "a grid is a mapping with `variants`"),
+    ("- just a list\n", "a grid is a mapping with `variants`"),
+    ("variants: {x: {a: 1}\n", "not valid YAML (line 2)"),
+    ("variants: {}\n", "`variants` must map each variant's name"),
+])
+def test_a_malformed_grid_file_is_one_line_naming_it(tmp_path: Path, text: str,
+                                                     words: str) -> None:
+    from captioning.commands.errors import ConfigError
+
+    path = tmp_path / "grid.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_grid(path)
+    assert str(info.value).startswith(f"{path}: ") and words in str(info.value)
+    assert "\n" not in str(info.value)

@@ -10,9 +10,10 @@ bad value fails that cell alone, and every cell starts with a fresh interpreter.
 captions' steps); the parent writes `results.csv` atomically after every cell, then `table.md`
 (mean ± sd over seeds) and `plot.png` (`captioning.commands.ablation_report`).
 
-Resume: a cell with an `ok` row in `results.csv` whose settings fingerprint still matches is not
-retrained, so running the command again continues an interrupted grid (an unfinished cell starts
-over). A failed cell is retried on the next run.
+Resume: a cell whose settings fingerprint (taken before it trains) still matches that of its
+`ok` row in `results.csv`, or of its own `cell_result.json` (a `results.csv` lost or written
+elsewhere), is not retrained, so running the command again continues an interrupted grid (an
+unfinished cell starts over). A failed cell is retried on the next run.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from captioning.commands.ablation_report import (
     write_rows,
     write_table,
 )
-from captioning.commands.configs import CONFIG_DIR, find_config
+from captioning.commands.configs import CONFIG_DIR, find_config, trainer_config_in
 from captioning.commands.errors import ConfigError
 from captioning.locks import Terminated, exclusive_lock, sigterm_raises
 
@@ -117,7 +118,16 @@ def find_grid(name: str) -> Path:
 
 def load_grid(path: Path) -> Grid:
     """Read and check a grid file."""
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}"
+                          ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("base") or {}, dict):
+        raise ConfigError(f"{path}: a grid is a mapping with `variants` and an optional `base` "
+                          "mapping (configs, overrides, without)")
     base, variants = data.get("base") or {}, data.get("variants") or {}
     if not isinstance(variants, dict) or not variants:
         raise ConfigError(f"{path}: `variants` must map each variant's name to its overrides")
@@ -182,25 +192,6 @@ def plan_cells(grid: Grid, *, seeds: Sequence[int], only: Sequence[str] | None, 
     return cells
 
 
-def cell_trainer_config(path: Path, run_dir: Path, without: Iterable[str]) -> dict[str, Any]:
-    """The trainer config with every output folder in `run_dir`, and without the loggers and
-    callbacks whose class path ends with a name in `without`."""
-    cfg = yaml.safe_load(path.read_text())
-    trainer = cfg["trainer"]
-    trainer["default_root_dir"] = str(run_dir)
-    for key in ("logger", "callbacks"):
-        items = trainer.get(key)
-        if isinstance(items, list):
-            trainer[key] = [x for x in items if not any(
-                str(x.get("class_path", "")).endswith(w) for w in without)]
-    for lg in trainer.get("logger") or []:
-        lg.setdefault("init_args", {})["save_dir"] = str(run_dir)
-    for cb in trainer.get("callbacks") or []:
-        if cb.get("class_path", "").endswith(".ModelCheckpoint"):
-            cb.setdefault("init_args", {})["dirpath"] = str(run_dir / "checkpoints")
-    return cfg
-
-
 # -- the child: one cell in its own process ------------------------------------------------------
 
 def alpha_entropy(alphas: Iterable[Any]) -> float:
@@ -233,7 +224,8 @@ def run_cell(run_dir: Path) -> int:
     write_json_atomic(run_dir / RESULT_FILE, {
         "test": results.metrics, "val": val, "train_seconds": train_seconds,
         "alpha_entropy": alpha_entropy(results.alphas.values()),
-        "checkpoint": best or "the final weights (no validation ran)"}, indent=2)
+        "checkpoint": best or "the final weights (no validation ran)",
+        "config": spec["config"]}, indent=2)
     return 0
 
 
@@ -257,15 +249,17 @@ def stop_child(proc: subprocess.Popen[bytes], *, now: bool) -> None:
         proc.wait()
 
 
-def write_cell_files(cell: Cell) -> None:
-    """A fresh run folder holding the cell's trainer config and `cell.json` (its arguments)."""
+def write_cell_files(cell: Cell, config: str) -> None:
+    """A fresh run folder holding the cell's trainer config and `cell.json` (its arguments and
+    settings fingerprint `config`)."""
     if cell.run_dir.exists():
         shutil.rmtree(cell.run_dir)  # an unfinished cell starts over: no stale versions, ckpts
     cell.run_dir.mkdir(parents=True)
-    trainer = cell_trainer_config(cell.configs[0], cell.run_dir, cell.without)
+    trainer = trainer_config_in(cell.configs[0], cell.run_dir, without=cell.without)
     write_text_atomic(cell.run_dir / "trainer.yaml", yaml.safe_dump(trainer, sort_keys=False))
     write_json_atomic(cell.run_dir / CELL_FILE, {"variant": cell.variant, "seed": cell.seed,
-                                                 "args": cell.fit_args()}, indent=2)
+                                                 "args": cell.fit_args(), "config": config},
+                      indent=2)
 
 
 def run_child(args: Sequence[str], log_path: Path) -> tuple[int, float]:
@@ -289,11 +283,12 @@ def run_child(args: Sequence[str], log_path: Path) -> tuple[int, float]:
 
 def train_cell(cell: Cell, metrics: Sequence[str]) -> dict[str, Any]:
     """Run one cell in a child process; its row for results.csv."""
-    write_cell_files(cell)
+    config = cell.fingerprint()  # of the settings it trains with, whatever changes meanwhile
+    write_cell_files(cell, config)
     returncode, seconds = run_child(["ablate", "--run-cell", str(cell.run_dir)],
                                     cell.run_dir / LOG_FILE)
     row: dict[str, Any] = {"variant": cell.variant, "seed": cell.seed, "seconds": round(seconds, 1),
-                           "config": cell.fingerprint()}
+                           "config": config}
     result_file = cell.run_dir / RESULT_FILE
     if returncode == 0 and result_file.is_file():
         row.update(status="ok", error="",
@@ -322,9 +317,22 @@ def prepare_features(cell: Cell, runs: Path) -> None:
 
 
 def done_before(rows: dict[tuple[str, int], dict[str, Any]], cell: Cell) -> bool:
-    """Whether results.csv holds an `ok` row of this cell with its current settings."""
-    row = rows.get((cell.variant, cell.seed))
-    return bool(row) and row["status"] == "ok" and row.get("config") == cell.fingerprint()
+    """Whether this cell finished with its current settings: an `ok` row in results.csv, or
+    its own `cell_result.json` (whose row then goes back into `rows`)."""
+    row, config = rows.get((cell.variant, cell.seed)), cell.fingerprint()
+    if row and row["status"] == "ok" and row.get("config") == config:
+        return True
+    result = cell.run_dir / RESULT_FILE
+    try:
+        found = json.loads(result.read_text()) if result.is_file() else {}
+    except (OSError, ValueError):
+        return False
+    if found.get("config") != config:
+        return False
+    rows[(cell.variant, cell.seed)] = {
+        "variant": cell.variant, "seed": cell.seed, "config": config, "status": "ok",
+        "error": "", "seconds": round(found.get("train_seconds", math.nan), 1)}
+    return True
 
 
 def ordered(rows: dict[tuple[str, int], dict[str, Any]], grid: Grid) -> list[dict[str, Any]]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 from captioning.commands.errors import ConfigError
 
@@ -69,6 +70,29 @@ def resolve_config_args(args: Sequence[str]) -> list[str]:
         elif i + 1 < len(out) and not out[i + 1].startswith("-") and _looks_like_file(out[i + 1]):
             out[i + 1] = str(find_config(out[i + 1], group))
     return out
+
+
+def trainer_config_in(path: Path, run_dir: Path, *, without: Iterable[str] = ()
+                      ) -> dict[str, Any]:
+    """The trainer config in `path` with every output folder in `run_dir` (the root, the
+    loggers' save_dir, ModelCheckpoint's dirpath), less the loggers and callbacks whose class
+    path ends with a name in `without`: one run's config, for `demo` and `ablate`."""
+    import yaml
+
+    cfg = yaml.safe_load(path.read_text())
+    trainer = cfg["trainer"]
+    trainer["default_root_dir"] = str(run_dir)
+    for key in ("logger", "callbacks"):
+        items = trainer.get(key)
+        if isinstance(items, list):
+            trainer[key] = [x for x in items if not any(
+                str(x.get("class_path", "")).endswith(w) for w in without)]
+    for lg in trainer.get("logger") or []:
+        lg.setdefault("init_args", {})["save_dir"] = str(run_dir)
+    for cb in trainer.get("callbacks") or []:
+        if str(cb.get("class_path", "")).rsplit(".", 1)[-1] == "ModelCheckpoint":
+            cb.setdefault("init_args", {})["dirpath"] = str(run_dir / "checkpoints")
+    return cfg
 
 
 def _looks_like_file(value: str) -> bool:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from captioning.commands.configs import CONFIG_DIR
+from captioning.atomic import write_text_atomic
+from captioning.commands.configs import CONFIG_DIR, trainer_config_in
 from captioning.commands.errors import ConfigError
 from captioning.commands.lightning import lightning_cli
 
@@ -155,13 +156,7 @@ def _trainer_config(run_dir: Path, *, keep_every: int = 0) -> Path:
     `keep_every` N, the weights are also kept every N steps in `run_dir/curve`."""
     import yaml
 
-    cfg = yaml.safe_load((CONFIG_DIR / "trainer" / "cpu.yaml").read_text())
-    cfg["trainer"]["default_root_dir"] = str(run_dir)
-    for lg in cfg["trainer"].get("logger") or []:
-        lg.setdefault("init_args", {})["save_dir"] = str(run_dir)
-    for cb in cfg["trainer"].get("callbacks") or []:
-        if cb.get("class_path", "").endswith("ModelCheckpoint"):
-            cb.setdefault("init_args", {})["dirpath"] = str(run_dir / "checkpoints")
+    cfg = trainer_config_in(CONFIG_DIR / "trainer" / "cpu.yaml", run_dir)
     if keep_every > 0:
         cfg["trainer"]["callbacks"].append({
             "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -169,6 +164,4 @@ def _trainer_config(run_dir: Path, *, keep_every: int = 0) -> Path:
                           "every_n_train_steps": keep_every, "save_top_k": -1,
                           "save_weights_only": True}})
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "trainer.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    return write_text_atomic(run_dir / "trainer.yaml", yaml.safe_dump(cfg, sort_keys=False))
