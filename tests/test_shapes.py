@@ -55,6 +55,30 @@ def test_generation_is_cached_and_regenerated_on_new_params(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
 
 
+def test_a_generator_killed_between_its_renames_leaves_nothing_behind(tmp_path: Path) -> None:
+    """Killed after setting the old dataset aside and before moving the new one in: the next
+    generation removes both folders the dead process left (they carry its PID)."""
+    import subprocess
+    import sys
+
+    root = generate_shapes(tmp_path / "s", seed=0, **TINY)
+    child = (
+        "import os, sys\n"
+        "import captioning.data.shapes as shapes\n"
+        "real = os.rename\n"
+        "def rename(src, dst):\n"
+        "    if str(dst) == sys.argv[1]:\n"
+        "        os._exit(9)  # the kill, after the old dataset was renamed away\n"
+        "    real(src, dst)\n"
+        "shapes.os.rename = rename\n"
+        f"shapes.generate_shapes(sys.argv[1], seed=1, **{TINY!r})\n")
+    assert subprocess.run([sys.executable, "-c", child, str(root)]).returncode == 9
+    left = sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".lock")
+    assert len(left) == 2 and all(p.endswith(".tmp") for p in left)  # old and new, aside
+    generate_shapes(root, seed=1, **TINY)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".lock") == ["s"]
+
+
 def test_incomplete_dataset_is_regenerated(tmp_path: Path) -> None:
     root = generate_shapes(tmp_path / "s", seed=0, **TINY)
     (root / "images" / "val_00001.png").unlink()

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -398,7 +397,8 @@ def generate_shapes(
 
 
 def _remove_stale_temporaries(root: Path) -> None:
-    """Remove the temporary dataset folders beside `root` of generators that died."""
+    """Remove the temporary dataset folders beside `root` (new ones being written, old ones
+    set aside) of generators that died."""
     for p in root.parent.glob(f".{root.name}.*.tmp"):
         if is_stale(p, name=root.name):
             log.info("removing %s, left by a generator that died", p)
@@ -419,8 +419,10 @@ def _move_into_place(tmp: Path, root: Path, params: Mapping[str, Any]) -> None:
     if root.is_dir():
         if any(root.iterdir()):
             _check_replaceable(root)
-            trash = root.parent / f".{root.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(root, trash)  # an older shapes dataset: set it aside, then drop it
+            # An older shapes dataset: set aside under a temporary name, then dropped (by the
+            # next generation's clean-up if this process dies before it does).
+            trash = temporary_name(root)
+            os.rename(root, trash)
         else:
             root.rmdir()
     try:
