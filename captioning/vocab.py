@@ -1,13 +1,15 @@
 """Tokenizer and vocabulary.
 
-The tokenizer lowercases and splits on anything that is not a letter, digit or apostrophe.
-It needs no downloaded data, and the same function builds training targets and references.
+The tokenizer lowercases and splits on anything that is not a letter, digit or apostrophe
+(letters and digits of any script, composed as NFC: "café", not "caf"). It needs no downloaded
+data, and the same function builds training targets and references.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -16,12 +18,12 @@ from typing import Any
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS: tuple[str, ...] = (PAD, START, END, UNK)
 
-TOKEN_RE = re.compile(r"[a-z0-9]+(?:'[a-z0-9]+)*")
+TOKEN_RE = re.compile(r"[^\W_]+(?:'[^\W_]+)*")  # Unicode letters and digits
 
 
 def tokenize(text: str) -> list[str]:
     """Lowercase word tokens; punctuation is dropped."""
-    return TOKEN_RE.findall(text.lower())
+    return TOKEN_RE.findall(unicodedata.normalize("NFC", text).lower())
 
 
 class Vocabulary:

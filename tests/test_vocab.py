@@ -33,3 +33,16 @@ def test_a_non_string_word_is_a_clear_error(tmp_path: Path, word: object) -> Non
         Vocabulary.load(f)
     msg = str(info.value)
     assert msg.startswith(f"{f}: vocabulary word 5 (words[5]) is not a string") and "\n" not in msg
+
+
+def test_the_tokenizer_keeps_words_of_any_script() -> None:
+    """Letters are letters in any script, and a decomposed accent (NFD) gives the same word as
+    a composed one; ASCII text is split as before (underscores and punctuation separate)."""
+    import unicodedata
+
+    from captioning.data.readers import caption_problem
+
+    assert tokenize("Café jalapeño NAÏVE 一只猫") == ["café", "jalapeño", "naïve", "一只猫"]
+    assert tokenize(unicodedata.normalize("NFD", "Café")) == ["café"]
+    assert tokenize("A dog's ball_2, isn't it?") == ["a", "dog's", "ball", "2", "isn't", "it"]
+    assert caption_problem("一只猫") is None and caption_problem("?!") is not None

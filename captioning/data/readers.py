@@ -27,7 +27,7 @@ from captioning.vocab import TOKEN_RE
 
 def has_tokens(text: str) -> bool:
     """`tokenize(text) != []` without building the list (the tokenizer's own pattern)."""
-    return TOKEN_RE.search(text.lower()) is not None
+    return TOKEN_RE.search(text) is not None  # letters of either case
 
 
 OnError = Literal["fail", "skip"]
