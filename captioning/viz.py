@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -105,8 +106,11 @@ def _glyph_atlas(device: str) -> tuple[Tensor, Tensor, int]:
 
 
 def _char_codes(words: Sequence[str], device: torch.device) -> Tensor:
-    """(M, C) long glyph indices; unknown characters -> '?', padding -> the blank glyph."""
+    """(M, C) long glyph indices; accents dropped ("café" -> "cafe"), other characters
+    outside printable ASCII -> '?', padding -> the blank glyph."""
     blank, qmark = 95, ord("?") - 32
+    words = ["".join(ch for ch in unicodedata.normalize("NFKD", w) if not unicodedata.combining(ch))
+             for w in words]
     rows = [[ord(ch) - 32 if 32 <= ord(ch) < 127 else qmark for ch in w] for w in words]
     c = max(1, max((len(r) for r in rows), default=0))
     return torch.tensor([r + [blank] * (c - len(r)) for r in rows], dtype=torch.long,

@@ -129,6 +129,10 @@ def test_labels_are_written_and_differ() -> None:
     assert abs((cols.min() + cols.max()).item() / 2 - 32) <= 4  # centred
     wide = viz.render_labels(["m" * 40], 64, LH, torch.device("cpu"))
     assert wide.shape == (1, LH, 64) and wide.max() > 0  # cut at the edge, no error
+    accents = viz.render_labels(["café", "cafe", "caf?", "猫"], 64, LH, torch.device("cpu"))
+    assert torch.equal(accents[0], accents[1])  # drawn without its accent, not as "caf?"
+    assert not torch.equal(accents[0], accents[2])
+    assert torch.equal(accents[3], viz.render_labels(["?"], 64, LH, torch.device("cpu"))[0])
 
 
 def test_glyph_atlas_is_cached_per_device() -> None:
@@ -182,9 +186,11 @@ def test_input_validation(batch) -> None:
 
 
 def test_no_words_gives_only_the_image(batch) -> None:
-    images, alphas, _ = batch
+    images, alphas, words = batch
     out = render_strips(images, alphas, (4, 4), [[], [], []])
     assert out.shape == (3, H + LH, W, 3)
+    full = render_strips(images, alphas, (4, 4), words)
+    assert torch.equal(out, full[:, :, :W])  # the first panel of the strip, and nothing else
 
 
 def test_save_strip_png_roundtrip(tmp_path, batch) -> None:
