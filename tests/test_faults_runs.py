@@ -115,9 +115,10 @@ def test_an_image_in_two_splits_is_refused(tmp_path: Path, write_karpathy: objec
 
 def slow_command(module: str, name: str, says: str) -> str:
     """A `python -c` script that runs `captioning` with `module.name` replaced by a function
-    that prints `says` and sleeps: the place a test sends its signal."""
+    that prints `says` and sleeps 10 minutes: the place a test sends its signal. A signal that
+    is not handled at once shows as the test's hang guard running out, long before that."""
     return (f"import sys, time\nimport {module} as target\n"
-            f"def slow(*args, **kwargs):\n    print({says!r}, flush=True)\n    time.sleep(120)\n"
+            f"def slow(*args, **kwargs):\n    print({says!r}, flush=True)\n    time.sleep(600)\n"
             f"target.{name} = slow\nfrom captioning.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
 
@@ -146,7 +147,7 @@ def test_sigterm_during_predict_is_one_line(tmp_path: Path, write_png: object) -
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "loading"
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=300)  # a hang guard: it ends in about a second
     assert proc.returncode == 143, err[-2000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == "interrupted by SIGTERM"
@@ -186,8 +187,8 @@ def test_sigterm_during_test_scoring_stops_it(shapes_dm_kwargs: dict, cache_dir:
     while (line := proc.stdout.readline()) and line.strip() != "scoring":
         pass
     proc.send_signal(signal.SIGTERM)
-    try:  # the stand-in scorer sleeps 120 s: a SIGTERM ignored until scoring ends times out
-        _, err = proc.communicate(timeout=90)
+    try:  # the stand-in scorer sleeps 600 s: a SIGTERM ignored until scoring ends times out
+        _, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
