@@ -68,6 +68,14 @@ def shapes_dm_kwargs(shapes_root: Path) -> dict[str, Any]:
             "image_size": 64, "batch_size": 4, "eval_batch_size": 8}
 
 
+@pytest.fixture(scope="session")
+def trained(shapes_dm_kwargs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The session's tiny fitted captioner and its checkpoint (`trained.Trained`)."""
+    from trained import trained_model
+
+    return trained_model(shapes_dm_kwargs, tmp_path_factory)
+
+
 def _write_png(path: Path, color: tuple[int, int, int] = (200, 30, 30),
                size: tuple[int, int] = (8, 6)) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_checkpoint import Trained, _RunsCode, trained_model
+from trained import RunsCode, Trained
 
 from captioning.checkpoint import save_inference_checkpoint
 from captioning.commands.caption import expand_inputs, main, overlay_names
@@ -24,10 +24,6 @@ SCRIPT = Path(sys.executable).parent / "captioning"
 HEAVY = ("lightning", "wandb", "pycocoevalcap", "nltk")
 
 
-@pytest.fixture(scope="module")
-def trained(shapes_dm_kwargs: dict[str, Any],
-            tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    return trained_model(shapes_dm_kwargs, tmp_path_factory)
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, list[str], list[str]]:
@@ -156,7 +152,7 @@ def test_missing_or_refused_checkpoint(trained: Trained, tmp_path: Path, capsys)
     assert rc == 2 and out == [] and len(err) == 1
     assert str(tmp_path / "none.ckpt") in err[0] and "does not exist" in err[0]
     marker = tmp_path / "ran"
-    torch.save({"state_dict": {}, "x": _RunsCode(marker)}, tmp_path / "evil.ckpt")
+    torch.save({"state_dict": {}, "x": RunsCode(marker)}, tmp_path / "evil.ckpt")
     rc, out, err = run(capsys, "--checkpoint", tmp_path / "evil.ckpt", trained.images[0])
     assert rc == 2 and out == [] and len(err) == 1 and "refused" in err[0]
     assert not marker.exists()

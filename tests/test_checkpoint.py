@@ -1,19 +1,19 @@
 """Checkpoint loading: identical decoding after reload, safe unpickling, clear errors.
 
-`trained_model` (also used by test_caption_cli.py) fits a tiny captioner for a few dozen steps
-through a real Lightning Trainer on the session's shapes images, and saves a real checkpoint.
+`trained` (conftest; tests/trained.py) is a tiny captioner fitted for a few dozen steps through
+a real Lightning Trainer on the session's shapes images, with a real checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from trained import RunsCode, Trained
 
 from captioning.checkpoint import (
     CheckpointError,
@@ -22,77 +22,7 @@ from captioning.checkpoint import (
     load_checkpoint,
     save_inference_checkpoint,
 )
-from captioning.models.captioner import CaptionerConfig, DecodeConfig
-from captioning.vocab import Vocabulary
-
-NET = CaptionerConfig(backbone="resnet18", weights=None, grid_size=3, image_size=64,
-                      embed_dim=16, hidden_dim=32, attn_dim=16, dropout=0.0)
-
-
-@dataclass
-class Trained:
-    """A fitted CaptioningModule (eval mode), its checkpoint and the shapes test images."""
-
-    module: Any  # CaptioningModule
-    checkpoint: Path
-    vocab: Vocabulary
-    images: list[Path]
-
-    def batch(self, paths: list[Path]) -> torch.Tensor:
-        """The images as the caption CLI loads them (the project's loader and transform)."""
-        from captioning.data.images import load_image
-        from captioning.data.transforms import build_image_transform
-
-        t = build_image_transform(self.module.net_config.image_size)
-        return torch.stack([t(load_image(p, min_side=64)) for p in paths])
-
-    def captions(self, paths: list[Path], decode: DecodeConfig | None = None) -> list[str]:
-        """Captions of the LightningModule's own decoding (or with `decode`)."""
-        with torch.no_grad():
-            images = self.batch(paths)
-            gen = (self.module.captioner.generate(images, decode) if decode is not None
-                   else self.module.generate(images))
-        return [" ".join(self.vocab.decode(t[:n])) for t, n in
-                zip(gen.tokens.tolist(), gen.lengths.tolist())]
-
-
-@functools.cache
-def _train(shapes_root: str, dm_items: tuple[tuple[str, Any], ...], out: str) -> Trained:
-    import lightning.pytorch as L
-
-    from captioning.data.datamodule import CaptionDataModule
-    from captioning.lit_module import CaptioningModule
-
-    L.seed_everything(0, verbose=False)
-    dm = CaptionDataModule(**dict(dm_items), feature_cache=False)
-    module = CaptioningModule(vocab_size=dm.vocab_size, net=NET, decoder_lr=1e-2,
-                              decode=DecodeConfig(beam_size=3, max_len=12),
-                              compute_metrics=False)
-    trainer = L.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0,
-                        default_root_dir=out)
-    trainer.fit(module, datamodule=dm)
-    ckpt = Path(out) / "tiny.ckpt"
-    trainer.save_checkpoint(ckpt)
-    images = sorted((Path(shapes_root) / "images").glob("test_*.png"))
-    return Trained(module.eval(), ckpt, dm.vocab, images)
-
-
-def trained_model(shapes_dm_kwargs: dict[str, Any],
-                  tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    """The session's trained tiny model (fitted once, whichever test module asks first)."""
-    out = tmp_path_factory.getbasetemp() / "trained-captioner"
-    out.mkdir(exist_ok=True)
-    return _train(str(shapes_dm_kwargs["source"].root), tuple(sorted(shapes_dm_kwargs.items())),
-                  str(out))
-
-
-@pytest.fixture(scope="module")
-def trained(shapes_dm_kwargs: dict[str, Any],
-            tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    return trained_model(shapes_dm_kwargs, tmp_path_factory)
-
+from captioning.models.captioner import DecodeConfig
 
 
 def _edited(trained: Trained, tmp_path: Path, edit: Any) -> Path:
@@ -188,21 +118,11 @@ def test_every_load_uses_weights_only(trained: Trained, monkeypatch: pytest.Monk
 
 
 # -- unsafe and broken files ----------------------------------------------------------------------
-class _RunsCode:
-    """Unpickling this calls exec(), which creates `marker`."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
-
-
 def test_malicious_checkpoint_is_refused_and_runs_nothing(trained: Trained,
                                                           tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     data = torch.load(trained.checkpoint, map_location="cpu", weights_only=True)
-    data["extra"] = _RunsCode(marker)
+    data["extra"] = RunsCode(marker)
     evil = tmp_path / "evil.ckpt"
     torch.save(data, evil)
     with pytest.raises(CheckpointError, match="refused") as info:
@@ -211,7 +131,7 @@ def test_malicious_checkpoint_is_refused_and_runs_nothing(trained: Trained,
     assert not marker.exists()
     # Control: the payload is live, an unsafe load would have run it.
     control = tmp_path / "control"
-    torch.save({"x": _RunsCode(control)}, tmp_path / "control.ckpt")
+    torch.save({"x": RunsCode(control)}, tmp_path / "control.ckpt")
     torch.load(tmp_path / "control.ckpt", weights_only=False)
     assert control.exists()
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_checkpoint import Trained, trained_model
+from trained import Trained
 
 from captioning.checkpoint import (
     CheckpointError,
@@ -368,10 +368,6 @@ def test_not_a_folder_or_checkpoint(tmp_path: Path) -> None:
 
 
 # -- a real Lightning checkpoint ----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def trained(shapes_dm_kwargs: dict[str, Any],
-            tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    return trained_model(shapes_dm_kwargs, tmp_path_factory)
 
 
 def test_a_trained_checkpoint_exports_and_captions_alike(trained: Trained, tmp_path: Path,

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
-from test_checkpoint import Trained, trained_model
+from trained import Trained
 
 from captioning.callbacks import CaptionWriter
 from captioning.commands import caption
@@ -25,10 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST = ("--accelerator", "cpu", "--num-workers", "0")
 
 
-@pytest.fixture(scope="module")
-def trained(shapes_dm_kwargs: dict[str, Any],
-            tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    return trained_model(shapes_dm_kwargs, tmp_path_factory)
 
 
 def predict(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, list[str]]:
