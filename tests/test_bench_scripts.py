@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tiny_runs import REPO
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tiny_runs import REPO
 
 
 def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
@@ -17,7 +17,7 @@ def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
          "--steps", "2", "--rounds", "1", "--warmup", "1", "--num-train", "16",
          "--batch-size", "4", "--threads", "1", "--workdir", str(tmp_path / "work"),
          "--roofline", "--json", str(tmp_path / "bench.json")],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     for row in ("train, cached, soft", "train, cached, hard", "beam search, cached, soft"):
         assert f"| {row}" in out.stdout
@@ -38,7 +38,7 @@ def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
          "--rounds", "1", "--warmup", "1", "--num-train", "16", "--batch-size", "4",
          "--threads", "1", "--workdir", str(tmp_path / "work"),
          "--json", str(tmp_path / "bench.json")],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| train, cached, soft" in out.stdout
     assert "| train, cached, soft, by image" in out.stdout
@@ -62,7 +62,7 @@ def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
 
 
 def test_issue17_preset_sets_the_issue_setting() -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
 
     args = benchmark.parse_args(["--preset", "issue17", "--steps", "4"])
@@ -79,7 +79,7 @@ def test_against_a_revision_adds_its_row(tmp_path: Path) -> None:
          "soft", "--against", "HEAD", "HEAD~1", "--steps", "1", "--rounds", "1", "--warmup", "1",
          "--num-train", "16", "--batch-size", "4", "--threads", "1",
          "--workdir", str(tmp_path / "work")],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     for rev in ("HEAD", "HEAD~1"):
         assert f"| train, cached, soft, code at {rev} " in out.stdout
@@ -91,7 +91,7 @@ def test_against_a_revision_adds_its_row(tmp_path: Path) -> None:
 def test_against_adds_the_by_image_row_for_revisions_that_have_it(tmp_path: Path) -> None:
     """With `grouped` asked for, an `--against` revision whose data module has batches by image
     gets its by-image row too; an older one only its cached soft row."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
 
     exports = {}
@@ -112,7 +112,7 @@ def test_against_adds_the_by_image_row_for_revisions_that_have_it(tmp_path: Path
 def test_summary_of_gpu_timeline_periods_and_of_host_steps() -> None:
     """A CUDA round's steps are its GPU-timeline periods (no per-step sync); a CPU round's
     are host step plus wait. A compiling step's outlier moves the mean, not the median."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
 
     base = {"real": 0, "rows": 0, "peak_mb": 0.0, "notes": ""}

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tiny_runs import cli_config, error_lines
+from tiny_runs import REPO, cli_config, error_lines
 from torch.utils.data import DataLoader
 
 from captioning.commands.errors import exit_status
@@ -30,7 +30,6 @@ from captioning.data.features import CacheError, FeatureCache, keys_digest, npy_
 from captioning.data.transforms import build_image_transform
 from captioning.models.encoder import CNNEncoder
 
-REPO = Path(__file__).resolve().parent.parent
 S = 64
 KEY = {"backbone": "resnet18"}
 WAIT = 120.0  # seconds a subprocess may take to reach the point of the fault (a busy machine)

@@ -9,13 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_runs import cli_config, error_lines
+from tiny_runs import REPO, cli_config, error_lines
 
 from captioning.cli import main
 from captioning.commands.errors import exit_status
 from captioning.locks import FolderInUseError, claim_folder
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_a_second_run_in_a_busy_run_folder_refuses(shapes_dm_kwargs: dict, cache_dir: Path,

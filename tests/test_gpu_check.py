@@ -9,13 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tiny_runs import REPO
+
 STAGES = ("gpu tests", "train", "train COCO-size", "train uncached", "beam search", "overlays",
           "ddp")
 
 
 def test_make_gpu_check_runs_the_script() -> None:
-    out = subprocess.run(["make", "-n", "gpu-check"], cwd=ROOT, capture_output=True,
+    out = subprocess.run(["make", "-n", "gpu-check"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "scripts/gpu_check.py" in out.stdout
@@ -25,7 +26,7 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "scripts/gpu_check.py", "--cpu", "--workdir", str(tmp_path / "work"),
          "--json", str(tmp_path / "check.json"), "--rounds", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     table = [ln for ln in out.stdout.splitlines() if ln.startswith("| ")]
     assert table[0].split("|")[1].strip() == "stage"
@@ -60,7 +61,7 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
 def test_the_gpu_tests_are_collected_from_their_own_modules_only() -> None:
     """A bare GPU machine may lack what other test modules import (pycocoevalcap): pytest
     -m gpu collects only the modules that hold GPU tests."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts"))
     import gpu_check
 
     names = {Path(f).name for f in gpu_check.gpu_test_files()}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import shapes_cli_args
+from tiny_runs import REPO
 
 from captioning.cli import main
 from captioning.commands.configs import (
@@ -22,8 +23,6 @@ from captioning.commands.configs import (
     resolve_config_args,
     shipped_configs,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_configs_are_package_data_with_one_copy() -> None:
@@ -131,6 +130,19 @@ def test_missing_pretrained_weights_offline_is_one_line(shapes_root: Path,
     assert "put mobilenet_v2-b0353104.pth there" in errors[0]
     assert "model.net.weights: /path/to/file.pth" in errors[0]
     assert not list((home / "hub" / "checkpoints").glob("*.pth*")), "no partial download left"
+
+
+@pytest.mark.parametrize(("target", "command"), [
+    ("demo", "captioning demo"), ("demo-hard", "captioning demo --attention hard"),
+    ("demo-scst", "captioning demo --scst")])
+def test_make_demo_targets_run_the_demos_the_tests_run(target: str, command: str) -> None:
+    """`make demo`, `make demo-hard` and `make demo-scst` are the commands the demo tests run
+    (here and in test_scst.py), offline."""
+    out = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("WANDB_MODE=offline ") and last.endswith(f"/bin/{command}"), last
 
 
 @pytest.mark.parametrize("attention,extra", [

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
+from tiny_runs import REPO
 from trained import Trained
 
 from captioning.callbacks import CaptionWriter
@@ -21,7 +22,6 @@ from captioning.commands import caption
 from captioning.commands.predict import expand_predict_inputs, is_list_file, main
 from captioning.data.predict import predict_loader
 
-ROOT = Path(__file__).resolve().parent.parent
 FAST = ("--accelerator", "cpu", "--num-workers", "0")
 
 
@@ -242,7 +242,7 @@ def test_ddp_two_processes_merge_every_image_once(trained: Trained, tmp_path: Pa
         shutil.copy(p, images / p.name)
     (images / "zz_bad.png").write_text("not an image")  # 7 inputs: odd, one fails
     out = tmp_path / "ddp" / "captions.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for k in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run(

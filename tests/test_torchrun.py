@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tiny_runs import cli_config
+from tiny_runs import REPO, cli_config
 
 from captioning.data.datamodule import CaptionDataModule
 
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
@@ -34,7 +33,7 @@ def _torchrun_fit(cfg: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]
     env = {k: v for k, v in os.environ.items() if k not in (
         "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "tests"), *filter(None, [env.get("PYTHONPATH")])]))
+        [str(REPO / "tests"), *filter(None, [env.get("PYTHONPATH")])]))
     return subprocess.run(
         [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--no-python",
          str(BIN / "captioning"), "fit", "--config", str(cfg), "--trainer.accelerator", "cpu",
@@ -88,7 +87,7 @@ def _sbatch(tmp_path: Path, nodes: int, tasks: int, **env: str) -> list[list[str
     log.unlink(missing_ok=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "WANDB_"))}
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "slurm_train.sbatch")], cwd=tmp_path,
+        ["bash", str(REPO / "scripts" / "slurm_train.sbatch")], cwd=tmp_path,
         capture_output=True, text=True, timeout=900,
         env={**base, "PATH": f"{stub.parent}{os.pathsep}{base['PATH']}", "PYTHON": sys.executable,
              "SRUN_LOG": str(log), "SLURM_NTASKS_PER_NODE": str(tasks),
@@ -134,7 +133,7 @@ def test_slurm_script_runs_shrunk(tmp_path: Path) -> None:
 
 
 def test_slurm_script_parses() -> None:
-    script = ROOT / "scripts" / "slurm_train.sbatch"
+    script = REPO / "scripts" / "slurm_train.sbatch"
     proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     text = script.read_text()

@@ -9,9 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_runs import cli_config
-
-REPO = Path(__file__).resolve().parent.parent
+from tiny_runs import REPO, cli_config
 
 SCRIPT = """
 import sys
