@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,10 @@ from tiny_runs import cache_dir, fitted, signal_handlers_restored  # noqa: E402,
 #: Parameters of the session's shapes dataset (ShapesSource / generate_shapes arguments).
 SHAPES_PARAMS: dict[str, int] = {"num_train": 24, "num_val": 8, "num_test": 8,
                                  "image_size": 64, "seed": 0}
+
+
+#: For the tests that score with pycocoevalcap (BLEU, METEOR, ...), whose scorers run Java.
+needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="needs Java")
 
 
 def shapes_source(root: str | Path) -> ShapesSource:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import needs_java
 
 from captioning.atomic import (
     HOST,
@@ -83,6 +84,7 @@ def test_files_get_the_umask_permissions(tmp_path: Path) -> None:
     assert target.stat().st_mode & 0o777 == 0o664
 
 
+@needs_java
 def test_the_ptb_tokenizer_writes_its_input_outside_site_packages(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """pycocoevalcap's own tokenizer writes its input beside its jar (a killed run leaves it in

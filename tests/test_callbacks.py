@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import needs_java
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image
@@ -167,6 +168,7 @@ def test_bad_arguments(kwargs: dict) -> None:
         AttentionOverlayCallback(**kwargs)
 
 
+@needs_java
 def test_test_run_logs_a_predictions_table(shapes_dm_kwargs: dict, tmp_path: Path,
                                           tiny_fit: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """After `test`: one row per test image with its overlay, caption, references and CIDEr-D;

@@ -21,6 +21,7 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import torch
+from conftest import needs_java
 from ddp_worker import datamodule
 
 from captioning.data.shapes import generate_shapes
@@ -98,6 +99,7 @@ def ddp_results(setup_ddp: dict[str, Any]) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+@needs_java
 def test_ddp_metrics_equal_single_process(setup_ddp: dict[str, Any],
                                           ddp_results: dict[str, Any]) -> None:
     single = _single_process(setup_ddp["spec"], setup_ddp["tmp"])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import pytest
+from conftest import needs_java
 
 from captioning import metrics
 from captioning.metrics import (
@@ -17,8 +17,6 @@ from captioning.metrics import (
     spice_available,
     strip_special_tokens,
 )
-
-needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="needs Java")
 
 REFS = {
     1: ["A dog runs on the grass.", "A brown dog is running across a lawn.", "dog running"],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import shapes_cli_args
+from conftest import needs_java, shapes_cli_args
 from tiny_runs import REPO
 
 from captioning.cli import main
@@ -145,6 +145,7 @@ def test_make_demo_targets_run_the_demos_the_tests_run(target: str, command: str
     assert last.startswith("WANDB_MODE=offline ") and last.endswith(f"/bin/{command}"), last
 
 
+@needs_java
 @pytest.mark.parametrize("attention,extra", [
     ("soft", []), ("hard", []), ("soft", ["--trainer.precision", "bf16-mixed"])],
     ids=["soft", "hard", "soft-bf16-mixed"])

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import shapes_cli_args
+from conftest import needs_java, shapes_cli_args
 from tiny_runs import BATCHES, REPO, cli_config
 from torch import Tensor
 
@@ -381,6 +381,7 @@ def test_init_from_refuses_another_network(cross_entropy: Path, shapes_dm_kwargs
 # The demo
 
 
+@needs_java
 def test_demo_scst_runs_both_stages(shapes_root: Path, tmp_path: Path) -> None:
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("WANDB_", "TORCH_HOME")) and "proxy" not in k.lower()}
@@ -405,6 +406,7 @@ def test_demo_scst_runs_both_stages(shapes_root: Path, tmp_path: Path) -> None:
     assert collections.Counter(text.splitlines())["Generated captions beside their references:"] == 2
 
 
+@needs_java
 def test_scst_curve_script_trains_seeds_and_draws_the_curve(shapes_root: Path,
                                                            tmp_path: Path) -> None:
     """scripts/scst_curve.py (README): the demo with --scst per seed, then val CIDEr of the
