@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from tiny_runs import REPO
+from trained import Trained
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -33,3 +34,12 @@ def test_bench_cider_times_the_reward_and_compares_with_pycocoevalcap() -> None:
     assert "reward:" in log and "per batch of 2 images × 2 samples" in log
     assert "decoder.step (demo size, 4 rows" in log
     assert "pycocoevalcap CiderScorer:" in log
+
+
+def test_benchmark_beam_with_a_checkpoint_and_images(trained: Trained) -> None:
+    """The form docs/benchmarks.md shows: a trained model's beam search on real images."""
+    images = [str(p) for p in trained.images[:3]]
+    out = _run(["scripts/benchmark_beam.py", "--checkpoint", str(trained.checkpoint),
+                "--images", *images, "--n", "3", "--beam-size", "2", "--batch-size", "2",
+                "--max-len", "4", "--device", "cpu", "--threads", "1"])
+    assert "batched (2/call):" in out.stdout and "same captions: 3/3" in out.stdout
