@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from captioning.choices import check_choice
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -127,8 +129,7 @@ class CiderD:
             raise ValueError(f"n must be in 1..8, got {n}")
         if not sigma > 0:
             raise ValueError(f"sigma must be > 0, got {sigma}")
-        if df not in ("references", "corpus"):
-            raise ValueError(f"df must be 'references' or 'corpus', got {df!r}")
+        check_choice("df", df, DocumentFrequency)
         self.n, self.sigma, self.df = n, sigma, df
         self._bits = 64 // n
         self.image_ids: list[Hashable] = list(references)

@@ -19,10 +19,10 @@ from captioning.callbacks.gumbel import GumbelTemperature
 from captioning.data.features import attach_feature_cache
 from captioning.evaluation import EvalResults, compute_metrics, gather, to_results, write_results
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
-from captioning.models.decoder import resolve_fast_path
+from captioning.models.decoder import FastPathSetting, resolve_fast_path
 from captioning.models.decoding import Generation
 from captioning.models.encoder import fingerprint
-from captioning.objectives import build_objective
+from captioning.objectives import ObjectiveKind, RewardForm, build_objective
 from captioning.optim import StepGuard, batch_message, build_adam, poisoned_loss, says_non_finite
 from captioning.scst import ScstConfig
 from captioning.train_values import TrainValues
@@ -54,13 +54,13 @@ class CaptioningModule(L.LightningModule):
         entropy_weight: float = 0.002,
         baseline_momentum: float = 0.9,
         advantage: str = "sequence",
-        reward: Literal["sum", "mean"] = "sum",
-        objective: Literal["cross_entropy", "scst"] = "cross_entropy",
+        reward: RewardForm = "sum",
+        objective: ObjectiveKind = "cross_entropy",
         scst: ScstConfig = ScstConfig(),  # noqa: B008 (a frozen dataclass)
         init_from: str | None = None,
         compute_metrics: bool = True,
         results_dir: str | None = None,
-        fast_path: Literal["auto", "off", "compile", "graphs"] = "auto",
+        fast_path: FastPathSetting = "auto",
         fast_bucket: int = 8,
         fused_adam: bool | None = None,
     ) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
+from captioning.choices import check_choice
 from captioning.distributed import all_reduce
 from captioning.losses import (
     MovingAverageBaseline,
@@ -49,6 +50,7 @@ from captioning.models.decoder import DecoderOutput
 from captioning.scst import ScstConfig, ScstReward, first_of_each, mean_of_others, references_of
 
 RewardForm = Literal["sum", "mean"]
+ObjectiveKind = Literal["cross_entropy", "scst"]
 
 
 class Batch(Protocol):
@@ -127,8 +129,7 @@ class Reinforce(MaximumLikelihood):
                  entropy_weight: float = 0.002, baseline_momentum: float = 0.9,
                  reward: RewardForm = "sum") -> None:
         super().__init__(doubly_stochastic=doubly_stochastic)
-        if reward not in ("sum", "mean"):
-            raise ValueError(f"reward must be 'sum' or 'mean', got {reward!r}")
+        check_choice("reward", reward, RewardForm)
         self.reward_scale = reward_scale
         self.entropy_weight = entropy_weight
         self.reward_form: RewardForm = reward
@@ -387,8 +388,7 @@ def build_objective(*, attention: str, advantage: str = "sequence",
     `advantage`. `settings` go to the constructor that takes them. `objective: scst` wraps that
     cross-entropy objective in `SelfCritical` with the `scst` settings."""
     check_settings(settings)
-    if objective not in ("cross_entropy", "scst"):
-        raise ValueError(f"objective must be 'cross_entropy' or 'scst', got {objective!r}")
+    check_choice("objective", objective, ObjectiveKind)
     if attention == "soft":
         cls: type[Objective] = MaximumLikelihood
     elif hard_estimator in HARD_ESTIMATORS:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from captioning.choices import check_choice
 from captioning.cider import CiderD
 from captioning.vocab import SPECIALS, Vocabulary, tokenize
 
@@ -52,13 +53,11 @@ class ScstConfig:
         if self.samples < 1 or self.max_len < 1:
             raise ValueError(f"scst.samples and scst.max_len must be >= 1, got {self.samples} "
                              f"and {self.max_len}")
-        if self.baseline not in ("greedy", "mean"):
-            raise ValueError(f"scst.baseline must be 'greedy' or 'mean', got {self.baseline!r}")
+        check_choice("scst.baseline", self.baseline, Baseline)
         if self.baseline == "mean" and self.samples < 2:
             raise ValueError("scst.baseline 'mean' averages the other samples of an image: "
                              f"scst.samples must be >= 2, got {self.samples}")
-        if self.reward not in ("cider", "cider_bleu"):
-            raise ValueError(f"scst.reward must be 'cider' or 'cider_bleu', got {self.reward!r}")
+        check_choice("scst.reward", self.reward, RewardKind)
         if not self.temperature > 0 or self.bleu_weight < 0 or self.xe_weight < 0:
             raise ValueError("scst.temperature must be > 0, scst.bleu_weight and scst.xe_weight "
                              f">= 0; got {self.temperature}, {self.bleu_weight}, {self.xe_weight}")

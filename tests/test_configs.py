@@ -111,7 +111,7 @@ def test_demo_config_shrunk_fits(attention: str, shapes_root: Path, tmp_path: Pa
     assert "val/BLEU-4" in csv and "train/loss" in csv
     assert list(tmp_path.rglob("offline-run-*")), "the W&B offline run is inside the run folder"
     if attention == "hard":
-        assert "train/baseline" in csv and "train/attn_entropy" in csv
+        assert "train/advantage" in csv and "train/attn_entropy" in csv
     json.dumps(ckpt["hyper_parameters"])  # plain data only
 
 

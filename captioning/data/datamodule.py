@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as L
 import numpy as np
@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from captioning.atomic import write_atomic
+from captioning.choices import check_choice
 from captioning.data.datasets import (
     CachedInputs,
     CaptionCollate,
@@ -35,8 +36,9 @@ from captioning.data.datasets import (
     ImageInputs,
     TokenIndex,
 )
+from captioning.data.features import CacheVerify
 from captioning.data.images import ImageLoadError, check_image
-from captioning.data.readers import DataError, ImageRecord, Problem, split_overlaps
+from captioning.data.readers import DataError, ImageRecord, OnError, Problem, split_overlaps
 from captioning.data.samplers import (
     BucketBatchSampler,
     EpochShuffleSampler,
@@ -62,8 +64,7 @@ def _check_arguments(source: DataSource | None, on_bad_data: str, **sizes: int) 
     """Validate `CaptionDataModule`'s source, bad-data policy and sizes (each >= 1)."""
     if source is not None and not isinstance(source, DataSource):
         raise TypeError(f"source must be a DataSource, got {type(source).__name__}")
-    if on_bad_data not in ("fail", "skip"):
-        raise ValueError(f"on_bad_data must be 'fail' or 'skip', got {on_bad_data!r}")
+    check_choice("on_bad_data", on_bad_data, OnError)
     for name, value in sizes.items():
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -115,11 +116,11 @@ class CaptionDataModule(L.LightningDataModule):
         length_bucketing: bool = True,
         group_by_image: bool = False,
         seed: int = 0,
-        on_bad_data: Literal["fail", "skip"] = "fail",
+        on_bad_data: OnError = "fail",
         validate_images: bool = True,
         feature_cache: bool = True,
         cache_dir: str | None = None,
-        cache_verify: Literal["full", "lazy", "size"] = "full",
+        cache_verify: CacheVerify = "full",
     ) -> None:
         super().__init__()
         _check_arguments(source, on_bad_data, max_caption_length=max_caption_length,
@@ -149,8 +150,7 @@ class CaptionDataModule(L.LightningDataModule):
         self.validate_images = validate_images
         self.feature_cache = feature_cache
         self.cache_dir = cache_dir
-        if cache_verify not in ("full", "lazy", "size"):
-            raise ValueError(f"cache_verify must be full, lazy or size, got {cache_verify!r}")
+        check_choice("cache_verify", cache_verify, CacheVerify)
         self.cache_verify = cache_verify
         self._init_state()
         if hflip:

@@ -36,22 +36,22 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from captioning.atomic import remove_stale_temporaries, write_atomic, write_json_atomic
+from captioning.choices import check_choice
+from captioning.data.datasets import ImageInputs
 from captioning.locks import exclusive_lock, sigterm_raises
 
 log = logging.getLogger(__name__)
 
-# In the key: version 1 had no hashes in the index; version 2 decoded JPEGs in full, where
-# training, `caption` and `predict` decode them at a reduced scale (`_Images`).
-CACHE_VERSION = 3
-VERIFY_MODES = ("full", "lazy", "size")
+CACHE_VERSION = 3  # in the key: 1 had no hashes in the index; 2 decoded JPEGs in full
+CacheVerify = Literal["full", "lazy", "size"]  # what is checked when a cache is opened
 BLOCK_BYTES = 1 << 20
 MAX_BLOCK_ROWS = 256
 DTYPE = np.dtype(np.float16)
@@ -179,24 +179,6 @@ def read_index(index_path: Path) -> dict[str, Any] | None:
     return meta if meta.get("complete") else None
 
 
-class _Images(Dataset):
-    """The images as training, `caption` and `predict` load them: JPEGs decoded at a reduced
-    scale while both sides stay >= `min_side` (the image size), so that a cached grid is the
-    one the encoder computes from the same file at any other time."""
-
-    def __init__(self, paths: Sequence[Path], transform: Callable[[Any], Tensor], *,
-                 min_side: int) -> None:
-        self.paths, self.transform, self.min_side = list(paths), transform, min_side
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> Tensor:
-        from captioning.data.images import load_image
-
-        return self.transform(load_image(self.paths[i], min_side=self.min_side))
-
-
 class FeatureCache:
     """Read-only view of a built, checked cache: `cache[path] -> (L, D) float16 tensor`.
 
@@ -207,8 +189,7 @@ class FeatureCache:
 
     def __init__(self, array_path: str | Path, meta: dict[str, Any], *,
                  verify: str = "size") -> None:
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        check_choice("verify", verify, CacheVerify)
         self.array_path = Path(array_path)
         self.index: dict[str, int] = {p: i for i, p in enumerate(meta["paths"])}
         self.verify = verify
@@ -320,7 +301,8 @@ class FeatureCache:
                 return found
             meta = {"complete": True, "version": CACHE_VERSION, "encoder": encoder_config,
                     "image_size": image_size, "file": array_path.name}
-            images = _Images(paths, transform, min_side=image_size)
+            # decoded as training, `caption` and `predict` decode them: the same grids
+            images = ImageInputs(paths, transform, min_side=image_size)
             with contextlib.closing(_batches(encoder, images, batch_size,
                                              num_workers, device)) as batches:
                 meta.update(_encode(array_path, batches, len(paths), progress))
@@ -346,7 +328,7 @@ def _open_quietly(cache_dir: Path, key: str, keys: list[str], verify: str
         return None  # checked again, and reported, under the lock
 
 
-def _batches(encoder: nn.Module, images: _Images, batch_size: int, num_workers: int,
+def _batches(encoder: nn.Module, images: ImageInputs, batch_size: int, num_workers: int,
              device: str | torch.device | None) -> Iterator[np.ndarray]:
     """The float16 grids of the images, batch by batch, from the frozen `encoder` in eval mode
     on `device` (restored afterwards)."""
@@ -357,8 +339,8 @@ def _batches(encoder: nn.Module, images: _Images, batch_size: int, num_workers: 
     loader = DataLoader(images, batch_size=batch_size,
                         num_workers=num_workers, pin_memory=device.type == "cuda")
     try:
-        for images in loader:
-            yield encoder(images.to(device, non_blocking=True)).to("cpu", torch.float16).numpy()
+        for batch in loader:
+            yield encoder(batch.to(device, non_blocking=True)).to("cpu", torch.float16).numpy()
     finally:
         encoder.to(orig_device)
         encoder.train(was_training)

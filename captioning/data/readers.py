@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from captioning.choices import check_choice
 from captioning.vocab import TOKEN_RE
 
 
@@ -94,8 +95,7 @@ class Records(list[ImageRecord]):
 
 
 def check_policy(on_error: str) -> None:
-    if on_error not in ("fail", "skip"):
-        raise ValueError(f"on_error must be 'fail' or 'skip', got {on_error!r}")
+    check_choice("on_error", on_error, OnError)
 
 
 class Report:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import abc
 import importlib
 import inspect
-import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -41,8 +40,8 @@ from captioning.data.readers import (
     OnError,
     Problem,
     Records,
-    load_json,
     id_problem,
+    load_json,
     read_coco_captions,
     read_karpathy,
     type_name,

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from captioning.choices import check_choice
 from captioning.models.pass_grads import PassGradient
 
 WeightRule = Literal["expected", "sample", "argmax"]  # decode-time rules (`net.hard_decode`)
@@ -224,9 +225,7 @@ class GumbelSchedule:
     def __post_init__(self) -> None:
         if self.start <= 0 or self.end <= 0:
             raise ValueError(f"gumbel τ must be > 0, got start {self.start}, end {self.end}")
-        if self.anneal not in ("constant", "linear", "exponential"):
-            raise ValueError(f"gumbel_anneal must be constant|linear|exponential, "
-                             f"got {self.anneal!r}")
+        check_choice("gumbel_anneal", self.anneal, Anneal)
         if self.steps < 0:
             raise ValueError(f"gumbel_anneal_steps must be >= 0, got {self.steps}")
 

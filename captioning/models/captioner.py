@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import Tensor, nn
 
+from captioning.choices import check_choice
 from captioning.models.attention import Anneal, GumbelSchedule, ScoreKind, WeightRule
 from captioning.models.decoder import (
     AttentionKind,
@@ -81,9 +82,7 @@ class DecodeConfig(_PlainConfig):
     num_captions: int = 1  # captions per image: the n best beams (<= beam_size), or n samples
 
     def __post_init__(self) -> None:
-        if self.strategy not in ("greedy", "beam", "sample"):
-            raise ValueError("decode.strategy must be 'greedy', 'beam' or 'sample', "
-                             f"got {self.strategy!r}")
+        check_choice("decode.strategy", self.strategy, Strategy)
         for name in ("beam_size", "max_len", "num_captions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"decode.{name} must be >= 1, got {getattr(self, name)}")

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from captioning.choices import check_choice
 from captioning.models.attention import (
     GumbelSchedule,
     ScoreKind,
@@ -55,6 +56,7 @@ SemiSampling = Literal["image", "batch"]
 SemiSamplingGrad = Literal["paper", "detached"]
 HardEstimator = Literal["reinforce", "gumbel"]
 FastPath = Literal["off", "compile", "graphs"]
+FastPathSetting = Literal["auto", "off", "compile", "graphs"]  # auto: graphs on CUDA (soft)
 
 
 class Memory(NamedTuple):
@@ -175,8 +177,7 @@ class AttentionLSTMDecoder(nn.Module):
         """Teacher forcing over fixed shapes: `compile` (torch.compile, any device), `graphs`
         (torch.compile reduce-overhead: CUDA graphs) or `off` (the shrinking eager loop).
         Lengths are padded up to a multiple of `bucket` steps: one compiled graph per bucket."""
-        if mode not in ("off", "compile", "graphs"):
-            raise ValueError(f"fast_path must be off|compile|graphs, got {mode!r}")
+        check_choice("fast_path", mode, FastPath)
         if bucket < 1:
             raise ValueError(f"fast_path bucket must be >= 1, got {bucket}")
         self.fast_path, self.fast_bucket = mode, bucket
@@ -404,8 +405,7 @@ def resolve_fast_path(setting: str, device: torch.device, attention: str = "soft
     were not measured on a GPU); `off`, `compile` and `graphs` stand as given."""
     if setting == "auto":
         return "graphs" if device.type == "cuda" and attention == "soft" else "off"
-    if setting not in ("off", "compile", "graphs"):
-        raise ValueError(f"fast_path must be auto|off|compile|graphs, got {setting!r}")
+    check_choice("fast_path", setting, FastPathSetting)
     return setting  # type: ignore[return-value]
 
 

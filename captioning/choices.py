@@ -1,0 +1,15 @@
+"""One check for the settings that take one of a few named values, each a `Literal` type."""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+
+def check_choice(name: str, value: object, kind: Any) -> None:
+    """Refuse `value` unless it is one of the `Literal` type `kind`'s values, in one line:
+    "NAME must be 'a', 'b' or 'c', got 'x'"."""
+    allowed = [repr(a) for a in get_args(kind)]
+    if value not in get_args(kind):
+        listed = " or ".join([", ".join(allowed[:-1]), allowed[-1]] if len(allowed) > 1
+                             else allowed)
+        raise ValueError(f"{name} must be {listed}, got {value!r}")
