@@ -81,6 +81,17 @@ def trained(shapes_dm_kwargs: dict[str, Any], tmp_path_factory: pytest.TempPathF
     return trained_model(shapes_dm_kwargs, tmp_path_factory)
 
 
+@pytest.fixture
+def copied_images(shapes_root: Path, tmp_path: Path) -> list[Path]:
+    """Six shapes images copied into tmp_path (so that a test may rewrite one)."""
+    out = []
+    for p in sorted((shapes_root / "images").glob("train_*.png"))[:6]:
+        out.append(tmp_path / "img" / p.name)
+        out[-1].parent.mkdir(exist_ok=True)
+        shutil.copy2(p, out[-1])
+    return out
+
+
 def _write_png(path: Path, color: tuple[int, int, int] = (200, 30, 30),
                size: tuple[int, int] = (8, 6)) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)

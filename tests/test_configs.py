@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
-from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import pytest
 import torch
 import yaml
 from conftest import paper_shrink_args, shapes_cli_args, write_tiny_coco
+from tiny_runs import print_config
 
 from captioning.cli import main
 from captioning.commands.configs import CONFIG_DIR
@@ -23,12 +22,7 @@ MODELS = sorted((CONFIG_DIR / "model").glob("*.yaml"))
 
 
 def _print_config(*configs: Path, extra: list[str] | None = None) -> dict[str, Any]:
-    out = io.StringIO()
-    args = ["fit"] + [a for c in configs for a in ("--config", str(c))] + (extra or [])
-    with redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-        main([*args, "--print_config"])
-    assert exit_info.value.code in (0, None)
-    return yaml.safe_load(out.getvalue())
+    return print_config("fit", *[a for c in configs for a in ("--config", str(c))], *(extra or []))
 
 
 def test_config_folders_are_populated() -> None:

@@ -21,14 +21,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tiny_runs import REPO, cli_config, error_lines
+from tiny_runs import REPO, cli_config, error_lines, tiny_encoder
 from torch.utils.data import DataLoader
 
 from captioning.commands.errors import exit_status
 from captioning.data.datasets import CachedInputs
 from captioning.data.features import CacheError, FeatureCache, keys_digest, npy_header
 from captioning.data.transforms import build_image_transform
-from captioning.models.encoder import CNNEncoder
 
 S = 64
 KEY = {"backbone": "resnet18"}
@@ -129,14 +128,9 @@ sys.exit(main(["cache-features", "--config", sys.argv[1]]))
 """
 
 
-def _encoder() -> CNNEncoder:
-    torch.manual_seed(0)
-    return CNNEncoder(backbone="resnet18", weights=None, grid_size=2)
-
-
 def _build(cache_dir: Path, images: list[Path], *, verify: str = "full") -> FeatureCache:
     return FeatureCache.build(
-        cache_dir=cache_dir, encoder=_encoder(), encoder_config=KEY, image_size=S,
+        cache_dir=cache_dir, encoder=tiny_encoder(), encoder_config=KEY, image_size=S,
         paths=images, transform=build_image_transform(S), batch_size=8, device="cpu",
         progress=False, verify=verify)
 

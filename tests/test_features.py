@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_runs import tiny_encoder
 from torch.utils.data import DataLoader
 
 from captioning.data.datamodule import CaptionDataModule
@@ -32,11 +32,6 @@ class _Forbidden(RuntimeError):
     pass
 
 
-def _encoder() -> CNNEncoder:
-    torch.manual_seed(0)
-    return CNNEncoder(backbone="resnet18", weights=None, grid_size=2)
-
-
 def _build(cache_dir: Path, encoder: torch.nn.Module, paths: list[Path], *,
            image_size: int = S, key: dict[str, Any] | None = None,
            progress: bool = False) -> FeatureCache:
@@ -53,32 +48,22 @@ def _forbid(encoder: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encoder, "forward", boom)
 
 
-@pytest.fixture
-def images(shapes_root: Path, tmp_path: Path) -> list[Path]:
-    """Six shapes images copied into tmp_path (so that a test may rewrite one)."""
-    src = sorted((shapes_root / "images").glob("train_*.png"))[:6]
-    out = []
-    for p in src:
-        out.append(tmp_path / "img" / p.name)
-        out[-1].parent.mkdir(exist_ok=True)
-        shutil.copy2(p, out[-1])
-    return out
 
 
-def test_same_inputs_hit_the_cache(images: list[Path], tmp_path: Path,
+def test_same_inputs_hit_the_cache(copied_images: list[Path], tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    enc = _encoder()
-    first = _build(tmp_path / "f", enc, images)
-    assert first.array.dtype == np.float16 and first.array.shape[0] == len(images)
+    enc = tiny_encoder()
+    first = _build(tmp_path / "f", enc, copied_images)
+    assert first.array.dtype == np.float16 and first.array.shape[0] == len(copied_images)
     _forbid(enc, monkeypatch)
-    again = _build(tmp_path / "f", enc, images)  # a hit: the encoder is not called
+    again = _build(tmp_path / "f", enc, copied_images)  # a hit: the encoder is not called
     assert again.array_path == first.array_path
     ref = CNNEncoder.forward(enc, build_image_transform(S)(
-        Image.open(images[2]).convert("RGB"))[None])  # the real forward, bypassing the patch
-    grid = again[images[2]]
+        Image.open(copied_images[2]).convert("RGB"))[None])  # the real forward, bypassing the patch
+    grid = again[copied_images[2]]
     assert grid.dtype == torch.float16  # stays float16 until the module casts it on the device
     torch.testing.assert_close(grid.float(), ref[0], atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(again[str(images[2])], grid)  # same row by str or Path
+    torch.testing.assert_close(again[str(copied_images[2])], grid)  # same row by str or Path
 
 
 def test_a_cached_jpeg_grid_is_the_one_caption_and_training_compute(tmp_path: Path) -> None:
@@ -91,7 +76,7 @@ def test_a_cached_jpeg_grid_is_the_one_caption_and_training_compute(tmp_path: Pa
     path = tmp_path / "big.jpg"
     Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path, quality=90)
     assert load_image(path, min_side=S).size == (160, 120)  # the reduced decode: 1/4 scale
-    enc = _encoder()
+    enc = tiny_encoder()
     cache = _build(tmp_path / "f", enc, [path])
     transform = build_image_transform(S)
     with torch.no_grad():
@@ -101,12 +86,12 @@ def test_a_cached_jpeg_grid_is_the_one_caption_and_training_compute(tmp_path: Pa
     torch.testing.assert_close(cache[path].float(), reduced, atol=2e-3, rtol=2e-3)
 
 
-def test_building_shows_a_progress_bar(images: list[Path], tmp_path: Path,
+def test_building_shows_a_progress_bar(copied_images: list[Path], tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    _build(tmp_path / "f", _encoder(), images, progress=True)
+    _build(tmp_path / "f", tiny_encoder(), copied_images, progress=True)
     err = capsys.readouterr().err
-    assert "caching encoder features" in err and f"{len(images)}/{len(images)}" in err
-    _build(tmp_path / "f", _encoder(), images, progress=True)  # a hit: nothing to show
+    assert "caching encoder features" in err and f"{len(copied_images)}/{len(copied_images)}" in err
+    _build(tmp_path / "f", tiny_encoder(), copied_images, progress=True)  # a hit: nothing to show
     assert "caching encoder features" not in capsys.readouterr().err
 
 
@@ -127,25 +112,26 @@ def test_captioner_casts_float16_grids_for_every_consumer() -> None:
 
 
 @pytest.mark.parametrize("change", ["image_file", "image_size", "encoder_config"])
-def test_rebuilds_when_an_input_changes(images: list[Path], tmp_path: Path, change: str) -> None:
-    enc = _encoder()
+def test_rebuilds_when_an_input_changes(copied_images: list[Path], tmp_path: Path,
+                                        change: str) -> None:
+    enc = tiny_encoder()
     key = {"backbone": "resnet18", "weights": "a"}
-    first = _build(tmp_path / "f", enc, images, key=key)
+    first = _build(tmp_path / "f", enc, copied_images, key=key)
     size = S
     if change == "image_file":
-        Image.new("RGB", (S, S), (10, 200, 10)).save(images[3])
-        st = images[3].stat()
-        os.utime(images[3], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        Image.new("RGB", (S, S), (10, 200, 10)).save(copied_images[3])
+        st = copied_images[3].stat()
+        os.utime(copied_images[3], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     elif change == "image_size":
         size = 32
     else:
         key = {**key, "weights": "b"}  # e.g. another weights fingerprint
-    second = _build(tmp_path / "f", enc, images, image_size=size, key=key)
+    second = _build(tmp_path / "f", enc, copied_images, image_size=size, key=key)
     assert second.array_path != first.array_path
     assert len(list((tmp_path / "f").glob("*.npy"))) == 2
     if change == "image_file":  # the rewritten image's grid changed, the others did not
-        assert not torch.equal(second[images[3]], first[images[3]])
-        assert torch.equal(second[images[0]], first[images[0]])
+        assert not torch.equal(second[copied_images[3]], first[copied_images[3]])
+        assert torch.equal(second[copied_images[0]], first[copied_images[0]])
 
 
 def test_weights_fingerprint_is_in_the_module_key() -> None:
@@ -158,20 +144,20 @@ def test_weights_fingerprint_is_in_the_module_key() -> None:
     assert a["weights"] != b["weights"] and {**a, "weights": 0} == {**b, "weights": 0}
 
 
-def test_pickling_drops_the_open_memmap(images: list[Path], tmp_path: Path) -> None:
-    cache = _build(tmp_path / "f", _encoder(), images)
-    value = cache[images[1]]
+def test_pickling_drops_the_open_memmap(copied_images: list[Path], tmp_path: Path) -> None:
+    cache = _build(tmp_path / "f", tiny_encoder(), copied_images)
+    value = cache[copied_images[1]]
     assert isinstance(cache._array, np.memmap)
     clone = pickle.loads(pickle.dumps(cache))
     assert clone._array is None  # reopened lazily in the receiving process
-    assert torch.equal(clone[images[1]], value)
+    assert torch.equal(clone[copied_images[1]], value)
     assert cache._array is not None  # the original keeps its map
 
 
-def test_dataloader_workers_read_cached_inputs(images: list[Path], tmp_path: Path) -> None:
-    cache = _build(tmp_path / "f", _encoder(), images)
+def test_dataloader_workers_read_cached_inputs(copied_images: list[Path], tmp_path: Path) -> None:
+    cache = _build(tmp_path / "f", tiny_encoder(), copied_images)
     assert cache.array is not None  # already open in the parent
-    ds = CachedInputs(cache, images)
+    ds = CachedInputs(cache, copied_images)
     loader = DataLoader(ds, batch_size=2, num_workers=2)  # fork: the default
     got = torch.cat(list(loader))
     assert torch.equal(got, torch.stack([ds[i] for i in range(len(ds))]))

@@ -9,7 +9,6 @@ tried) on the CPU.
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -231,14 +230,6 @@ def check_guard_needs_no_sync(device: str) -> None:
         assert torch.equal(opt.state[model.weight][k], v), k
 
 
-@pytest.fixture
-def images(shapes_root: Path, tmp_path: Path) -> list[Path]:
-    out = []
-    for p in sorted((shapes_root / "images").glob("train_*.png"))[:6]:
-        out.append(tmp_path / "img" / p.name)
-        out[-1].parent.mkdir(exist_ok=True)
-        shutil.copy2(p, out[-1])
-    return out
 
 
 def check_step_timer_reads_the_gpu_timeline(device: str, work: Path) -> None:
@@ -285,9 +276,9 @@ def test_overlays_render_on_the_device(exact_fp32: None) -> None:
     check_overlay_on_device("cuda")
 
 
-def test_feature_cache_builds_on_the_device(images: list[Path], tmp_path: Path,
+def test_feature_cache_builds_on_the_device(copied_images: list[Path], tmp_path: Path,
                                             exact_fp32: None) -> None:
-    check_cache_builds_on("cuda", images, tmp_path)
+    check_cache_builds_on("cuda", copied_images, tmp_path)
 
 
 def test_step_guard_with_fused_adam_needs_no_sync() -> None:

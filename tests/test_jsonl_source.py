@@ -4,20 +4,17 @@ the JsonlCaptions source (carving by image, arguments), its config, a tiny `capt
 
 from __future__ import annotations
 
-import io
 import json
 import random
 import re
 import shlex
-from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import yaml
 from PIL import Image, ImageDraw
-from tiny_runs import BATCHES, REPO, cli_config
+from tiny_runs import BATCHES, REPO, cli_config, print_config
 
 import captioning
 from captioning import metrics
@@ -286,16 +283,8 @@ def test_paths_messages_and_config_form(tmp_path: Path) -> None:
 # Config, README, and a tiny fit + test through the command line
 
 
-def _print_config(*args: str) -> dict[str, Any]:
-    out = io.StringIO()
-    with redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-        main([*args, "--print_config"])
-    assert exit_info.value.code in (0, None)
-    return yaml.safe_load(out.getvalue())
-
-
 def test_the_jsonl_config_loads_and_takes_overrides(tmp_path: Path) -> None:
-    cfg = _print_config("fit", "--config", str(JSONL_CONFIG), "--data.source.root",
+    cfg = print_config("fit", "--config", str(JSONL_CONFIG), "--data.source.root",
                         str(tmp_path), "--data.source.val_size", "3",
                         "--data.source.test_size", "0.2")
     source = cfg["data"]["source"]
@@ -326,7 +315,7 @@ def test_the_readme_example_parses(tmp_path: Path) -> None:
         assert (REPO / path).is_file(), path
     argv = [a.replace("configs/", f"{REPO}/configs/", 1) for a in argv[1:]]
     argv[argv.index("my_images")] = str(root)
-    cfg = _print_config(*argv)
+    cfg = print_config(*argv)
     assert cfg["data"]["source"]["init_args"]["root"] == str(root)
     assert "configs/data/jsonl.yaml" in command
 

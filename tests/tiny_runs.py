@@ -294,3 +294,23 @@ def error_lines(err: str) -> list[str]:
     assert "Traceback" not in err
     return [ln for ln in err.splitlines() if ln.startswith("error:")]
 
+
+def tiny_encoder() -> Any:
+    """A frozen resnet18 without weights, pooled to a 2x2 grid, from seed 0."""
+    from captioning.models.encoder import CNNEncoder
+
+    torch.manual_seed(0)
+    return CNNEncoder(backbone="resnet18", weights=None, grid_size=2)
+
+
+def print_config(*args: str) -> dict[str, Any]:
+    """The config `captioning ARGS --print_config` prints, parsed."""
+    from contextlib import redirect_stdout
+
+    from captioning.cli import main
+
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        main([*args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(out.getvalue())
