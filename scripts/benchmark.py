@@ -1055,7 +1055,7 @@ def grid_description(args: argparse.Namespace) -> str:
     from captioning.models.encoder import BACKBONES
 
     spec = BACKBONES["vgg19" if args.paper else args.encoder]
-    n = 14 if args.paper else (args.grid_size or -(-args.image_size // spec.stride))
+    n = 14 if args.paper else (args.grid_size or spec.side(args.image_size))
     return f"{n}x{n}x{spec.dim}"
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import needs_java
 from PIL import Image
 
 from captioning.cli import main
@@ -47,6 +48,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(path.open()))
 
 
+@needs_java
 def test_tiny_grid_end_to_end_with_a_failing_variant_and_resume(tiny_grid: Path) -> None:
     """First an "interrupted" grid (one variant), then the whole grid: the finished cells are
     kept, the others train, the bad variant fails with its error and does not stop the grid."""
@@ -95,6 +97,42 @@ def test_tiny_grid_end_to_end_with_a_failing_variant_and_resume(tiny_grid: Path)
     assert [(r["variant"], r["status"]) for r in again] == [(r["variant"], r["status"])
                                                             for r in rows]
     assert [r["BLEU-4"] for r in again[:4]] == [r["BLEU-4"] for r in rows[:4]]
+
+
+def test_the_feature_cache_step_and_a_failed_cell_that_left_a_result(
+        tiny_grid: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --tiny the grid first runs `cache-features` in its own folder; a cell whose
+    child wrote its result and then failed is retried, not taken as done (children faked)."""
+    import json
+
+    from captioning.commands import ablate
+
+    calls: list[str] = []
+    fail = {"now": True}
+
+    def child(args: list[str], log_path: Path) -> tuple[int, float]:
+        calls.append(args[0])
+        log_path.write_text("error: the cell broke after writing its result\n")
+        if args[0] == "ablate":
+            run_dir = Path(args[-1])
+            spec = json.loads((run_dir / ablate.CELL_FILE).read_text())
+            (run_dir / ablate.RESULT_FILE).write_text(json.dumps(
+                {"test": {"BLEU-4": 0.5}, "val": {}, "config": spec["config"]}))
+            return (1 if fail["now"] else 0), 1.0
+        return 0, 0.5
+
+    monkeypatch.setattr(ablate, "run_child", child)
+    grid = load_grid(tiny_grid)
+    cells = plan_cells(grid, seeds=[0], only=["soft/dot"], runs=Path("runs"), tiny=False)
+    Path("out").mkdir()
+    rows = ablate.run_grid(grid, cells, Path("out"), prepare=Path("runs"))
+    assert calls == ["cache-features", "ablate"] and rows[0]["status"] == "failed"
+    assert (Path("runs") / "cache-features" / "trainer.yaml").is_file()
+    fail["now"] = False
+    rows = ablate.run_grid(grid, cells, Path("out"), prepare=Path("runs"))
+    assert calls[2:] == ["cache-features", "ablate"] and rows[0]["status"] == "ok"
+    ablate.run_grid(grid, cells, Path("out"), prepare=Path("runs"))
+    assert len(calls) == 4  # done now: nothing runs
 
 
 def test_dry_run_lists_every_cell(tiny_grid: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,8 +24,6 @@ SCRIPT = Path(sys.executable).parent / "captioning"
 HEAVY = ("lightning", "wandb", "pycocoevalcap", "nltk")
 
 
-
-
 def run(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, list[str], list[str]]:
     """main(args) -> (status, stdout lines, stderr lines that are not log records)."""
     rc = main([str(a) for a in args])
@@ -275,7 +273,6 @@ def test_loader_does_not_import_heavy_packages(trained: Trained) -> None:
                        timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == []
-
 
 
 def test_a_nul_byte_in_an_input_or_list_entry_is_one_line(tmp_path: Path) -> None:

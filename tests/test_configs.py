@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import paper_shrink_args, shapes_cli_args, write_tiny_coco
+from conftest import needs_java, paper_shrink_args, shapes_cli_args, write_tiny_coco
 from tiny_runs import print_config
 
 from captioning.cli import main
@@ -68,6 +68,7 @@ def test_data_paths_are_overridable(tmp_path: Path) -> None:
     assert cfg["data"]["source"]["init_args"]["image_root"] == str(tmp_path)
 
 
+@needs_java
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_demo_config_shrunk_fits(attention: str, shapes_root: Path, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,6 +110,7 @@ def test_demo_config_shrunk_fits(attention: str, shapes_root: Path, tmp_path: Pa
     json.dumps(ckpt["hyper_parameters"])  # plain data only
 
 
+@needs_java
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_readme_paper_command_shrunk_trains_and_tests(
         attention: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,6 @@ PAD, START, END, UNK = 0, 1, 2, 3
 D, L = 16, 5
 
 
-
 def make_decoder(seed: int, *, vocab_size: int = 10, **kw) -> AttentionLSTMDecoder:
     torch.manual_seed(seed)
     args = dict(vocab_size=vocab_size, feature_dim=D, embed_dim=16, hidden_dim=16, attn_dim=16,

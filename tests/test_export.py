@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import needs_java
 from safetensors.torch import load_file, save_file
 from trained import Trained
 
@@ -387,6 +388,7 @@ def test_a_trained_checkpoint_exports_and_captions_alike(trained: Trained, tmp_p
     assert got == trained.captions(trained.images[:4], DecodeConfig(beam_size=2, max_len=12))
 
 
+@needs_java
 def test_lightning_test_takes_an_exported_folder(shapes_dm_kwargs: dict[str, Any],
                                                  cache_dir: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:

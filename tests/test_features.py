@@ -27,7 +27,6 @@ from captioning.models.encoder import CNNEncoder
 S = 64  # image size of the session's shapes dataset
 
 
-
 class _Forbidden(RuntimeError):
     pass
 
@@ -46,8 +45,6 @@ def _forbid(encoder: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
         raise _Forbidden("the CNN ran")
 
     monkeypatch.setattr(encoder, "forward", boom)
-
-
 
 
 def test_same_inputs_hit_the_cache(copied_images: list[Path], tmp_path: Path,
@@ -195,8 +192,6 @@ class _CountCNN(L.Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
         self.batches += 1
         self.input_dims.add(batch.images.dim())
-
-
 
 
 @pytest.mark.parametrize("attention", ["soft", "hard"])

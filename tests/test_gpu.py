@@ -230,8 +230,6 @@ def check_guard_needs_no_sync(device: str) -> None:
         assert torch.equal(opt.state[model.weight][k], v), k
 
 
-
-
 def check_step_timer_reads_the_gpu_timeline(device: str, work: Path) -> None:
     """The benchmark's training worker times CUDA steps by events, without a sync per step:
     one period (end to end) and one GPU wait per timed step, each wait within its period,

@@ -31,7 +31,6 @@ V, D, L = 12, 16, 5
 PAD, START, END = 0, 1, 2
 
 
-
 def make_decoder(**kw) -> AttentionLSTMDecoder:
     args = dict(vocab_size=V, feature_dim=D, embed_dim=16, hidden_dim=32, attn_dim=16,
                 dropout=0.0, attention="hard")

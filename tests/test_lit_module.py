@@ -274,7 +274,6 @@ def test_training_logs_only_the_steps_lightning_sends_to_the_loggers(
 # Checkpoints
 
 
-
 def _leaves(obj: Any, where: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(obj, dict):
         for k, v in obj.items():

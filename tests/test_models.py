@@ -19,7 +19,6 @@ V, D, L = 12, 16, 6  # vocabulary (4 specials + 8 words), feature dim, locations
 PAD, START, END = 0, 1, 2
 
 
-
 def make_decoder(**kw) -> AttentionLSTMDecoder:
     args = dict(vocab_size=V, feature_dim=D, embed_dim=16, hidden_dim=32, attn_dim=16, dropout=0.0)
     args.update(kw)

@@ -25,8 +25,6 @@ from captioning.data.predict import predict_loader
 FAST = ("--accelerator", "cpu", "--num-workers", "0")
 
 
-
-
 def predict(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, list[str]]:
     """main(args) -> (status, stderr `error:` lines)."""
     rc = main([str(a) for a in args])

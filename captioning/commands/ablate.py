@@ -304,7 +304,7 @@ def prepare_features(cell: Cell, runs: Path) -> None:
     cache-features` and the first cell's settings, so that no cell's training time includes
     it. Variants with another encoder build theirs in their first cell."""
     prep = replace(cell, run_dir=runs / "cache-features")
-    write_cell_files(prep)
+    write_cell_files(prep, prep.fingerprint())
     log.info("feature cache: checking or building it first (log: %s)", prep.run_dir / LOG_FILE)
     returncode, seconds = run_child(["cache-features", *prep.fit_args()[1:]],
                                     prep.run_dir / LOG_FILE)
@@ -320,8 +320,8 @@ def done_before(rows: dict[tuple[str, int], dict[str, Any]], cell: Cell) -> bool
     """Whether this cell finished with its current settings: an `ok` row in results.csv, or
     its own `cell_result.json` (whose row then goes back into `rows`)."""
     row, config = rows.get((cell.variant, cell.seed)), cell.fingerprint()
-    if row and row["status"] == "ok" and row.get("config") == config:
-        return True
+    if row and row.get("config") == config:  # a failed row is retried, whatever it left
+        return row["status"] == "ok"
     result = cell.run_dir / RESULT_FILE
     try:
         found = json.loads(result.read_text()) if result.is_file() else {}

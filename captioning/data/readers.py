@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from captioning.choices import check_choice
-from captioning.vocab import TOKEN_RE
+from captioning.vocab import ASCII_WORD, token_pattern
 
 
 def has_tokens(text: str) -> bool:
     """`tokenize(text) != []` without building the list (the tokenizer's own pattern)."""
-    return TOKEN_RE.search(text) is not None  # letters of either case
+    pattern = ASCII_WORD if text.isascii() else token_pattern()
+    return pattern.search(text) is not None  # letters of either case
 
 
 OnError = Literal["fail", "skip"]
