@@ -1,5 +1,5 @@
-"""Caption metrics: COCO scores (BLEU, METEOR, ROUGE-L, CIDEr, optional SPICE), object accuracy
-on the synthetic shapes data, and attention pointing accuracy.
+"""Caption metrics: COCO scores (BLEU, METEOR, ROUGE-L, CIDEr, optional SPICE) and object
+accuracy on the synthetic shapes data (attention pointing accuracy: `captioning.pointing`).
 
 `coco_scores` runs pycocoevalcap (coco-caption) unchanged: its Java PTBTokenizer on the raw
 references and hypotheses, then its scorers. Java is required (the tokenizer and METEOR are Java
@@ -24,12 +24,9 @@ import tempfile
 import threading
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from captioning.vocab import SPECIALS
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 

@@ -111,12 +111,15 @@ def write_outputs(out: Path, results: dict[int, dict[str, dict[str, float]]],
     lines = [f"Test split, {n} seed{'s' if n != 1 else ''} (mean ± sd)", "",
              "| metric | cross-entropy | after SCST | change (mean of per-seed changes) |",
              "|---|---|---|---|"]
-    for m in METRICS:
-        ce = [r["cross_entropy"][m] for r in results.values()]
-        sc = [r["scst"][m] for r in results.values()]
-        rel = [100 * (b - a) / a for a, b in zip(ce, sc) if a]
-        change = f"{statistics.mean(b - a for a, b in zip(ce, sc)):+.4f}"
-        if m == "CIDEr":
+    for m in METRICS:  # the seeds that have the metric in both stages (pointing may be absent)
+        pairs = [(r["cross_entropy"][m], r["scst"][m]) for r in results.values()
+                 if m in r["cross_entropy"] and m in r["scst"]]
+        if not pairs:
+            continue
+        ce, sc = [a for a, _ in pairs], [b for _, b in pairs]
+        rel = [100 * (b - a) / a for a, b in pairs if a]
+        change = f"{statistics.mean(b - a for a, b in pairs):+.4f}"
+        if m == "CIDEr" and rel:
             change += f" ({statistics.mean(rel):+.1f}% relative)"
         lines.append(f"| {m} | {mean_sd(ce)} | {mean_sd(sc)} | {change} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")

@@ -437,3 +437,22 @@ def test_scst_curve_script_trains_seeds_and_draws_the_curve(shapes_root: Path,
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=900)
     assert again.returncode == 0 and "trained already" in again.stderr
+
+
+def test_scst_curve_tables_a_metric_some_seeds_lack(tmp_path: Path) -> None:
+    """Pointing accuracy is absent where no word was scored, and a CIDEr of 0 has no relative
+    change: the table is still written, from the seeds that have each metric."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scst_curve", REPO / "scripts" / "scst_curve.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    figs = {"BLEU-4": 0.5, "METEOR": 0.3, "CIDEr": 0.0, "objects_correct": 0.9}
+    results = {0: {"cross_entropy": figs, "scst": {**figs, "CIDEr": 0.2}},
+               1: {"cross_entropy": {**figs, "pointing_accuracy": 0.4},
+                   "scst": {**figs, "pointing_accuracy": 0.6}}}
+    script.write_outputs(tmp_path, results, {0: [(0, {"CIDEr": 0.1})], 1: [(0, {"CIDEr": 0.2})]})
+    table = (tmp_path / "table.md").read_text()
+    assert "| pointing_accuracy | 0.4000 ± 0.0000 | 0.6000 ± 0.0000 | +0.2000 |" in table
+    assert "| CIDEr | 0.0000 ± 0.0000 | 0.1000 ± 0.1414 | +0.1000 |" in table
+    assert (tmp_path / "curve.png").is_file()
