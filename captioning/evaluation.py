@@ -2,6 +2,7 @@
 
 `caption_words` is the one place where decoded token ids become words aligned with their
 attention maps; the LightningModule, the overlay callback and the `caption` command all use it.
+(The text alone is `Vocabulary.decode`'s, which `Captioner.captions` calls too.)
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ from them once. A batch is `--batch` images × `--samples` sampled captions of r
 (lengths 1..`--max-len`), scored with `CiderD.score_ids`. For scale it also times one
 `decoder.step` of a demo-size decoder (embed 128, hidden 192, attention 96 over an 8×8 grid of
 96 channels) on the same B·k rows, and with --compare pycocoevalcap's CiderScorer (pure Python)
-on the same batch with the same document frequencies.
+on the same batch (its document frequencies are the same counts; its log D is that of the
+batch's rows, not of `--images`).
 """
 
 from __future__ import annotations

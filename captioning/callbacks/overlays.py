@@ -36,7 +36,8 @@ class AttentionOverlayCallback(L.Callback):
     zero only, on the module's device, under `torch.no_grad` and the validation precision
     context. Each strip is the image followed by one panel per generated word (at most
     `max_words`), with α_t upsampled (`upsample`: "bicubic", "bilinear" or "gaussian");
-    hard-attention models also mark the sampled location.
+    hard-attention models also mark the sampled location (not in `test/predictions`, drawn from
+    the test results, which keep α but not the locations).
 
     Logged to every `WandbLogger` of the trainer: `{split}/attention` (one `wandb.Image` per
     strip, captioned with the generated caption) and, when `log_table`, `{split}/attention_table`
