@@ -355,6 +355,16 @@ def render_strips(
     return out
 
 
+def caption_strips(images: Tensor, alphas: Tensor, grid: tuple[int, int],
+                   words: Sequence[Sequence[str]], *, points: Tensor | None = None,
+                   upsample: str = "bicubic") -> tuple[Tensor, list[Tensor]]:
+    """`render_strips` on the CPU: the batch's strips, all as wide as the longest caption's
+    (N, H', W'), and each cut to its own caption's panels."""
+    full = render_strips(images, alphas, grid, words, points=points, upsample=upsample).cpu()
+    width = images.shape[-1]
+    return full, [strip[:, : width * (len(w) + 1)] for strip, w in zip(full, words)]
+
+
 def save_strip_png(strip: Tensor, path: str | Path) -> Path:
     """Write one (H, W, 3) uint8 strip as PNG, atomically (a killed write leaves no partial
     PNG under the name); parent folders are created."""

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
 from captioning.evaluation import caption_words
-from captioning.viz import UPSAMPLE_MODES, render_strips, save_strip_png
+from captioning.viz import UPSAMPLE_MODES, caption_strips, render_strips, save_strip_png
 from captioning.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class AttentionOverlayCallback(L.Callback):
         self.last_words: dict[Any, list[str]] = {}  # image id -> its panels' words (last run)
         self.last_paths: list[Path] = []  # PNG files written by the last overlay run
         self._inputs: tuple[Tensor, list[Any], list[list[str]]] | None = None
+        self._fallback_root: str | None = None  # the run's log folder, when nothing else saves
 
     # -- lightning hooks -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -167,7 +168,7 @@ class AttentionOverlayCallback(L.Callback):
                 words = [w[: self.max_words] for w in words]
                 hard = pl_module.captioner.config.attention == "hard"  # type: ignore[union-attr]
                 t = max(1, max(len(w) for w in words))
-                strips = render_strips(
+                full, strips = caption_strips(
                     images, gen.alphas[:, :t].float(), pl_module.captioner.grid,  # type: ignore[union-attr]
                     words, points=gen.locations[:, :t] if hard else None,
                     upsample=self.upsample)
@@ -176,9 +177,8 @@ class AttentionOverlayCallback(L.Callback):
 
         width = images.shape[-1]
         height = images.shape[-2]
-        full_np = strips.cpu().numpy()  # (N, H', W * (T_max + 1), 3): one size for the media list
-        strips_np = [full_np[i, :, : (len(words[i]) + 1) * width].copy()
-                     for i in range(len(words))]  # each strip cut to its own caption
+        full_np = full.numpy()  # (N, H', W * (T_max + 1), 3): one size for the media list
+        strips_np = [s.numpy().copy() for s in strips]  # each cut to its own caption
         self.last_captions = dict(zip(image_ids, captions))
         self.last_words = dict(zip(image_ids, words))
         epoch, step = trainer.current_epoch, trainer.global_step
@@ -193,12 +193,12 @@ class AttentionOverlayCallback(L.Callback):
         if self.save_dir is not None:
             folder = Path(self.save_dir) / f"epoch_{epoch:02d}"
         elif not wandb_loggers:
-            root = getattr(self, "_fallback_root", None) or trainer.default_root_dir
+            root = self._fallback_root or trainer.default_root_dir
             folder = Path(root) / "overlays" / f"epoch_{epoch:02d}"
         if folder is not None:
             for k, (image_id, strip) in enumerate(zip(image_ids, strips)):
                 name = f"{k:02d}_{_UNSAFE.sub('_', str(image_id))}.png"
-                path = save_strip_png(strip[:, : (len(words[k]) + 1) * width], folder / name)
+                path = save_strip_png(strip, folder / name)
                 self.last_paths.append(path)
             log.info("wrote %d attention overlays to %s", len(self.last_paths), folder)
 

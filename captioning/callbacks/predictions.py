@@ -26,7 +26,7 @@ import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from captioning.atomic import write_atomic, write_text_atomic
-from captioning.viz import render_strips, save_strip_png
+from captioning.viz import caption_strips, save_strip_png
 
 
 def _report(message: str) -> None:
@@ -130,15 +130,16 @@ class CaptionWriter(BasePredictionWriter):
         that could not be written (each reported)."""
         gen, words = prediction["generation"], prediction["words"]
         hard = pl_module.net_config.attention == "hard"
-        strips = render_strips(batch.images.float(), gen.alphas.float(), pl_module.captioner.grid,
-                               words, points=gen.locations if hard else None).cpu()
-        width, failures = batch.images.shape[-1], []
+        _, strips = caption_strips(batch.images.float(), gen.alphas.float(),
+                                   pl_module.captioner.grid, words,
+                                   points=gen.locations if hard else None)
+        failures: list[dict[str, Any]] = []
         folder = self.overlays
         assert folder is not None
-        for rec, strip, ws in zip(records, strips, words):
+        for rec, strip in zip(records, strips):
             target = folder / self.file_name(rec["index"], rec["file_name"])
-            try:  # the batch's strips share the longest caption's width: keep this one's panels
-                rec["overlay"] = str(save_strip_png(strip[:, : width * (len(ws) + 1)], target))
+            try:
+                rec["overlay"] = str(save_strip_png(strip, target))
             except OSError as e:
                 message = f"{target}: cannot write the overlay ({e.strerror or e})"
                 _report(message)

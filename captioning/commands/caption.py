@@ -320,17 +320,16 @@ def _write_overlays(model: LoadedModel, batch: _Batch, gen: Generation,
     """One strip per image: the α map of every emitted word (hard models mark the location).
     Returns the number of strips that could not be written (each reported on stderr)."""
     from captioning.evaluation import caption_words
-    from captioning.viz import render_strips, save_strip_png
+    from captioning.viz import caption_strips, save_strip_png
 
     words, _ = caption_words(gen, model.vocab)  # word t is drawn over α_t
     hard = model.config.attention == "hard"
-    strips = render_strips(batch.images.to(device), gen.alphas, model.captioner.grid, words,
-                           points=gen.locations if hard else None).cpu()
-    width, failed = batch.images.shape[-1], 0
-    for rec, strip, ws, target in zip(records, strips, words, targets):
-        # the batch's strips share the longest caption's width: keep this caption's panels
+    _, strips = caption_strips(batch.images.to(device), gen.alphas, model.captioner.grid, words,
+                               points=gen.locations if hard else None)
+    failed = 0
+    for rec, strip, target in zip(records, strips, targets):
         try:
-            rec["overlay"] = str(save_strip_png(strip[:, : width * (len(ws) + 1)], target))
+            rec["overlay"] = str(save_strip_png(strip, target))
         except OSError as e:
             error(f"{target}: cannot write the overlay ({e.strerror or e})")
             failed += 1
