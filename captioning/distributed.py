@@ -3,6 +3,8 @@ it is, so single-process code needs no branch of its own."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -24,6 +26,24 @@ def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
     out = t.clone()
     torch.distributed.all_reduce(out, op=getattr(torch.distributed.ReduceOp, op.upper()))
     return out
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order; `[obj]` outside torch.distributed."""
+    if not is_distributed():
+        return [obj]
+    parts: list[Any] = [None] * world_size()
+    torch.distributed.all_gather_object(parts, obj)
+    return parts
+
+
+def broadcast_object(obj: Any, *, src: int = 0) -> Any:
+    """Rank `src`'s `obj` (picklable), on every rank; `obj` outside torch.distributed."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def end_process_group(*, barrier: bool = True) -> None:

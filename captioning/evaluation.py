@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 
 from captioning.atomic import write_json_atomic
+from captioning.distributed import all_gather_objects, is_distributed
 from captioning.locks import sigterm_raises
 from captioning.models.decoding import Generation
 from captioning.vocab import Vocabulary
@@ -74,14 +74,12 @@ def to_results(gen: Generation, vocab: Vocabulary, image_ids: list[Any],
     return res
 
 
-def gather(results: EvalResults, world_size: int) -> EvalResults:
+def gather(results: EvalResults) -> EvalResults:
     """Every rank's captions, each image once (DDP samplers may pad with repeats)."""
-    if world_size <= 1 or not torch.distributed.is_initialized():
+    if not is_distributed():
         return results
-    parts: list[Any] = [None] * world_size
-    torch.distributed.all_gather_object(parts, results)
     merged = EvalResults()
-    for p in parts:
+    for p in all_gather_objects(results):
         merged.merge(p)
     return merged
 

@@ -17,6 +17,7 @@ from captioning import checkpoint as ckpt
 from captioning import evaluation
 from captioning.callbacks.gumbel import GumbelTemperature
 from captioning.data.features import attach_feature_cache
+from captioning.distributed import broadcast_object
 from captioning.evaluation import EvalResults, compute_metrics, gather, to_results, write_results
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.decoder import FastPathSetting, resolve_fast_path
@@ -261,7 +262,7 @@ class CaptioningModule(L.LightningModule):
     on_test_epoch_start = on_validation_epoch_start
 
     def _finish_eval(self, prefix: str) -> EvalResults:
-        results = gather(self._pending, self.trainer.world_size)
+        results = gather(self._pending)
         self._pending = EvalResults()
         if not results.hypotheses or self.trainer.sanity_checking:
             return results
@@ -271,11 +272,7 @@ class CaptioningModule(L.LightningModule):
             metrics = compute_metrics(results, grid=self.captioner.grid,
                                       grounding=getattr(dm, "grounding", None),
                                       image_size=getattr(dm, "image_size", None))
-        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
-            box = [metrics]
-            torch.distributed.broadcast_object_list(box, src=0)
-            metrics = box[0]
-        results.metrics = metrics
+        results.metrics = metrics = broadcast_object(metrics)  # rank zero's, on every rank
         for name, value in metrics.items():
             self.log(f"{prefix}/{name}", value, rank_zero_only=False, sync_dist=False)
         return results

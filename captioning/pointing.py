@@ -27,7 +27,7 @@ def _singular(word: str, names: Collection[str]) -> str | None:
 def _default_words() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     from captioning.data import shapes
 
-    return tuple(shapes.SHAPES), tuple(shapes.COLORS), tuple(getattr(shapes, "SIZES", ()))
+    return tuple(shapes.SHAPES), tuple(shapes.COLORS), tuple(shapes.SIZES)
 
 
 def _word_sets(
