@@ -74,16 +74,19 @@ class BucketBatchSampler(BatchSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         idx = np.fromiter(iter(self.sampler), dtype=np.int64)
-        b, pool = self.batch_size, self.batch_size * self.bucket_size_multiplier
+        pool = self.batch_size * self.bucket_size_multiplier
         batches: list[list[int]] = []
         for start in range(0, len(idx), pool):
             chunk = idx[start: start + pool]
-            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
-            for s in range(0, len(chunk), b):
-                batch = chunk[s: s + b]
-                if len(batch) == b or not self.drop_last:
-                    batches.append(batch.tolist())
+            batches += self._cut(chunk[np.argsort(-self.lengths[chunk], kind="stable")])
         yield from self._hand_out(batches)
+
+    def _cut(self, indices: np.ndarray) -> list[list[int]]:
+        """`indices` cut in order into batches of `batch_size`; a shorter last one is kept
+        unless `drop_last`."""
+        b = self.batch_size
+        batches = [indices[s: s + b].tolist() for s in range(0, len(indices), b)]
+        return batches[:-1] if batches and self.drop_last and len(batches[-1]) < b else batches
 
     def _hand_out(self, batches: list[list[int]]) -> Iterator[list[int]]:
         """The pass's batches in a (seed, epoch)-shuffled order, from `start` on."""
@@ -139,11 +142,7 @@ class ImageBatchSampler(BucketBatchSampler):
         rank = int(getattr(self.sampler, "rank", 0))
         total = share * int(getattr(self.sampler, "num_replicas", 1))
         pairs = np.resize(pairs, max(total, len(pairs)))[rank * share: (rank + 1) * share]
-        b = self.batch_size
-        batches = [pairs[s: s + b].tolist() for s in range(0, len(pairs), b)]
-        if batches and self.drop_last and len(batches[-1]) < b:
-            batches.pop()
-        yield from self._hand_out(batches)  # shuffled: not the pools' long-to-short order
+        yield from self._hand_out(self._cut(pairs))  # shuffled: not the pools' long-to-short order
 
 
 class ResumableDataLoader(DataLoader):
