@@ -760,7 +760,7 @@ def _fmt(x: float | None, spec: str) -> str:
 PRESETS: dict[str, dict[str, Any]] = {
     # Issue 17's CPU setting: resnet18 frozen at 256 px (an 8x8 grid, pooled to 14x14 by
     # `net.grid_size: 14`), decoder 512/512/512, batch 32, 2 threads, 1,500 training images x
-    # 5 captions; cached soft training with the roofline.
+    # 5 captions; cached soft training, bucketed and by image, with the roofline.
     "issue17": {"encoder": "resnet18", "image_size": 256, "grid_size": 14, "batch_size": 32,
                 "threads": 2, "num_train": 1500, "rows": "cached,grouped", "attentions": "soft",
                 "roofline": True},
