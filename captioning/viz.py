@@ -109,8 +109,9 @@ def _char_codes(words: Sequence[str], device: torch.device) -> Tensor:
     """(M, C) long glyph indices; accents dropped ("café" -> "cafe"), other characters
     outside printable ASCII -> '?', padding -> the blank glyph."""
     blank, qmark = 95, ord("?") - 32
-    words = ["".join(ch for ch in unicodedata.normalize("NFKD", w) if not unicodedata.combining(ch))
-             for w in words]
+    words = [w if w.isascii() else "".join(
+        ch for ch in unicodedata.normalize("NFKD", w) if not unicodedata.combining(ch))
+        for w in words]
     rows = [[ord(ch) - 32 if 32 <= ord(ch) < 127 else qmark for ch in w] for w in words]
     c = max(1, max((len(r) for r in rows), default=0))
     return torch.tensor([r + [blank] * (c - len(r)) for r in rows], dtype=torch.long,

@@ -21,6 +21,7 @@ from typing import Any
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS: tuple[str, ...] = (PAD, START, END, UNK)
 
+
 @functools.cache
 def token_pattern() -> re.Pattern[str]:
     """A word: a letter or digit, then letters, digits and combining marks (Indic and Thai
@@ -44,11 +45,17 @@ def token_pattern() -> re.Pattern[str]:
 ASCII_WORD = re.compile(r"[a-zA-Z0-9]+(?:'[a-zA-Z0-9]+)*")
 
 
+def word_pattern(text: str) -> re.Pattern[str]:
+    """The pattern that finds `text`'s words: `ASCII_WORD` for ASCII text, else
+    `token_pattern` (the text composed as NFC first)."""
+    return ASCII_WORD if text.isascii() else token_pattern()
+
+
 def tokenize(text: str) -> list[str]:
     """Lowercase word tokens; punctuation is dropped."""
-    if text.isascii():
-        return ASCII_WORD.findall(text.lower())
-    return token_pattern().findall(unicodedata.normalize("NFC", text).lower())
+    if not text.isascii():
+        text = unicodedata.normalize("NFC", text)
+    return word_pattern(text).findall(text.lower())
 
 
 class Vocabulary:

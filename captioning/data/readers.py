@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from captioning.choices import check_choice
-from captioning.vocab import ASCII_WORD, token_pattern
+from captioning.vocab import word_pattern
 
 
 def has_tokens(text: str) -> bool:
     """`tokenize(text) != []` without building the list (the tokenizer's own pattern)."""
-    pattern = ASCII_WORD if text.isascii() else token_pattern()
-    return pattern.search(text) is not None  # letters of either case
+    return word_pattern(text).search(text) is not None  # letters of either case
 
 
 OnError = Literal["fail", "skip"]

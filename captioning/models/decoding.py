@@ -74,8 +74,10 @@ def banned_ids(forbid_unk: bool) -> list[int]:
 
 
 def _banned(log_probs: Tensor, forbid_unk: bool) -> Tensor:
-    """`banned_ids` set to -inf in place (the searches that need no gradient)."""
-    log_probs[:, banned_ids(forbid_unk)] = NEG_INF
+    """`banned_ids` set to -inf in place (the searches that need no gradient), a column at a
+    time: no index tensor to build, or copy to the device, at every step."""
+    for i in banned_ids(forbid_unk):
+        log_probs[:, i] = NEG_INF
     return log_probs
 
 
