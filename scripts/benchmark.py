@@ -15,7 +15,9 @@ of them):
   `Trainer`, with the encoder's features cached (the CNN never runs) or not (the frozen CNN
   runs on every batch), soft and hard attention; cached soft also without length bucketing,
   with batches that hold each image's captions together (`group_by_image`: the keys projected
-  once per image) and with the decoder's fast path (`fast_path: compile`, `graphs` on CUDA);
+  once per image) and with the decoder's fast path (`fast_path: compile`, `graphs` on CUDA).
+  On the CPU the rows train with the default `fast_path: auto` (the native score kernel);
+  `aten` adds the cached soft row with `fast_path: off` (the score by ATen operations);
 * beam-search captions/s on cached features (<end> disabled, so every caption runs
   `--max-len` steps: an untrained decoder would otherwise stop at once);
 * the COCO-size index build: a synthetic Karpathy file of 123,287 images / 616,767 captions
@@ -249,7 +251,7 @@ def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
                         callbacks=[timer, *probes], default_root_dir=spec["workdir"],
                         gradient_clip_val=5.0)
     trainer.fit(module, datamodule=dm)
-    if spec.get("fast_path", "off") != "off":
+    if spec.get("fast_path", "off") in ("compile", "graphs"):
         notes.append(f"{spec['warmup']} warm-up steps incl. compiling: {timer.first_steps:.0f} s")
     if spec.get("save_weights"):
         torch.save(module.state_dict(), spec["save_weights"])
@@ -799,7 +801,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", default="uncached,cached,channels_last,nobucket,grouped,compile,"
                                      "beam,coco",
                    help="comma-separated subset of: uncached,cached,channels_last,nobucket,"
-                        "grouped (batches by image),compile,beam,coco")
+                        "grouped (batches by image),aten (fast_path off),compile,beam,coco")
     p.add_argument("--attentions", default="soft,hard",
                    help="attention kinds of the uncached and cached rows")
     p.add_argument("--threads", type=int, default=None,
@@ -865,7 +867,9 @@ def make_base(work: Path, *, device: str = "cpu", precision: str = "32-true",
             "shapes": shapes, "image_size": image_size, "tiny": tiny,
             "cache_dir": str(work / "features"), "workdir": str(work),
             "channels_last": channels_last, "steps": steps, "warmup": warmup,
-            "fast_path": "off", "threads": threads}
+            # the CPU's default (`auto`: the native score kernel; older revisions: off); the
+            # GPU rows run eagerly, the compiled passes have rows of their own
+            "fast_path": "auto" if device == "cpu" else "off", "threads": threads}
     if paper:  # COCO-like captions (10k words) over the shapes images
         names = {split: sorted(p.name for p in (root / "images").glob(f"{split}_*.png"))
                  for split in ("train", "val")}
@@ -911,6 +915,8 @@ def train_configs(args: argparse.Namespace, weights: str,
         if "uncached" in rows:  # and the frozen CNN runs once per image
             configs.append(("train, uncached, soft, by image",
                             {"cached": False, "group_by_image": True}))
+    if "aten" in rows:  # the score by ATen operations, without the native CPU kernel
+        configs.append(("train, cached, soft, fast_path off", {"fast_path": "off"}))
     if "compile" in rows:  # the fixed-shape pass: compiled, and replayed as CUDA graphs
         configs.append(("train, cached, soft, fast_path compile",
                         {"fast_path": "compile", "warmup": max(args.warmup, 3)}))

@@ -132,9 +132,11 @@ def test_compiled_pass_equals_the_eager_loop_on_the_cpu() -> None:
 def test_fast_path_settings() -> None:
     assert resolve_fast_path("auto", torch.device("cuda")) == "graphs"
     assert resolve_fast_path("auto", torch.device("cuda"), "hard") == "off"
-    assert resolve_fast_path("auto", torch.device("cpu")) == "off"
+    assert resolve_fast_path("auto", torch.device("cpu")) == "native"
+    assert resolve_fast_path("auto", torch.device("mps")) == "off"
     assert resolve_fast_path("compile", torch.device("cpu")) == "compile"
-    with pytest.raises(ValueError, match="fast_path must be 'auto', 'off', 'compile' or 'graphs'"):
+    with pytest.raises(ValueError,
+                       match="fast_path must be 'auto', 'off', 'native', 'compile' or 'graphs'"):
         resolve_fast_path("fast", torch.device("cpu"))
     with pytest.raises(ValueError, match="bucket must be >= 1"):
         decoder().use_fast_path("compile", bucket=0)
@@ -147,9 +149,10 @@ def test_fast_path_settings() -> None:
 def test_the_module_sets_the_fast_path_up_once(eager_compile: list[dict[str, Any]]) -> None:
     net = CaptionerConfig(vocab_size=10, backbone="resnet18", weights=None, grid_size=2,
                           embed_dim=8, hidden_dim=8, attn_dim=8)
-    module = CaptioningModule(net=net)  # auto: off on the CPU
+    module = CaptioningModule(net=net)  # auto: the native kernel on the CPU, nothing compiled
     module.setup("fit")
-    assert module.captioner.decoder.fast_path == "off" and not eager_compile
+    assert module.captioner.decoder.fast_path == "native" and not eager_compile
+    assert module.captioner.decoder.attention.native
     module = CaptioningModule(net=net, fast_path="compile", fast_bucket=4)
     module.setup("fit")
     module.setup("validate")  # once only

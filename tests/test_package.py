@@ -35,6 +35,8 @@ def test_configs_are_package_data_with_one_copy() -> None:
     assert {"trainer/cpu", "data/shapes", "model/demo_soft", "model/paper_soft"} <= on_disk
     text = (REPO / "pyproject.toml").read_text()
     assert '"configs/*/*.yaml"' in text  # what the wheel ships
+    assert '"models/native/*.cpp"' in text  # the native kernel's source, compiled on first use
+    assert (REPO / "captioning" / "models" / "native" / "additive_score.cpp").is_file()
 
 
 @pytest.mark.parametrize("name", ["paper_soft", "model/paper_soft", "model/paper_soft.yaml",

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import captioning.models.native as native
 from captioning.choices import check_choice
 from captioning.models.pass_grads import PassGradient
 
@@ -62,6 +63,12 @@ class Scorer(nn.Module):
     def __init__(self, *, key_dim: int, n_layers: int = 1) -> None:
         super().__init__()
         self.deep = key_layers(key_dim, n_layers)
+        self.native = False  # score with a native CPU kernel (`use_native`)
+
+    def use_native(self, on: bool) -> bool:
+        """Score with a native CPU kernel where this scorer has one and it builds here (the
+        decoder's `fast_path: native`); whether it now does."""
+        return False
 
     def project(self, features: Tensor) -> Tensor:
         """Keys of every location: (B, L, D) -> (B, L, K). Computed once, reused each step."""
@@ -136,10 +143,16 @@ class AdditiveAttention(Scorer):
         # bias here would be a parameter that never receives a gradient.
         self.score = nn.Linear(attn_dim, 1, bias=False)  # w
 
+    def use_native(self, on: bool) -> bool:
+        self.native = on and native.available()
+        return self.native
+
     def forward(self, keys: Tensor, h: Tensor, *,
                 keys_grad: PassGradient | None = None) -> Tensor:
         """Scores e_ti (b, L) from the previous hidden state h_{t-1} (b, H) and the keys."""
         q = self.query(h)  # (b, A)
+        if self.native and native.usable(keys):  # one pass each way (captioning.models.native)
+            return native.NativeAdditiveScore.apply(keys, q, self.score.weight, keys_grad)
         if keys.device.type == "cpu":  # one kernel chain instead of autograd's five (B, L, A) ops
             return AdditiveScore.apply(keys, q, self.score.weight, keys_grad)
         k = keys[: q.size(0)]

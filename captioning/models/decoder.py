@@ -55,8 +55,9 @@ AttentionKind = Literal["soft", "hard"]
 SemiSampling = Literal["image", "batch"]
 SemiSamplingGrad = Literal["paper", "detached"]
 HardEstimator = Literal["reinforce", "gumbel"]
-FastPath = Literal["off", "compile", "graphs"]
-FastPathSetting = Literal["auto", "off", "compile", "graphs"]  # auto: graphs on CUDA (soft)
+FastPath = Literal["off", "native", "compile", "graphs"]
+# auto: graphs on CUDA (soft attention), native on the CPU
+FastPathSetting = Literal["auto", "off", "native", "compile", "graphs"]
 
 
 class Memory(NamedTuple):
@@ -176,13 +177,17 @@ class AttentionLSTMDecoder(nn.Module):
     def use_fast_path(self, mode: FastPath, *, bucket: int = 8) -> None:
         """Teacher forcing over fixed shapes: `compile` (torch.compile, any device), `graphs`
         (torch.compile reduce-overhead: CUDA graphs) or `off` (the shrinking eager loop).
-        Lengths are padded up to a multiple of `bucket` steps: one compiled graph per bucket."""
+        Lengths are padded up to a multiple of `bucket` steps: one compiled graph per bucket.
+        `native`: the eager loop with the scorer's native CPU kernel (captioning.models.native);
+        `off` where the scorer has none or it cannot be built here."""
         check_choice("fast_path", mode, FastPath)
         if bucket < 1:
             raise ValueError(f"fast_path bucket must be >= 1, got {bucket}")
-        self.fast_path, self.fast_bucket = mode, bucket
+        native = self.attention.use_native(mode == "native")
+        self.fast_path = "off" if mode == "native" and not native else mode
+        self.fast_bucket = bucket
         self._fixed = None
-        if mode != "off":
+        if mode not in ("off", "native"):
             self._fixed = torch.compile(self.teacher_forced_fixed, dynamic=False,
                                         mode="reduce-overhead" if mode == "graphs" else None)
 
@@ -400,10 +405,12 @@ class AttentionLSTMDecoder(nn.Module):
 
 
 def resolve_fast_path(setting: str, device: torch.device, attention: str = "soft") -> FastPath:
-    """The fast path for a device: `auto` is `graphs` for soft attention on CUDA, where it was
-    measured faster (docs/benchmarks.md), and `off` elsewhere (hard attention's sampled passes
-    were not measured on a GPU); `off`, `compile` and `graphs` stand as given."""
+    """The fast path for a device: `auto` is `graphs` for soft attention on CUDA and `native`
+    on the CPU, where each was measured faster (docs/benchmarks.md), and `off` elsewhere (hard
+    attention's sampled passes were not measured on a GPU); the others stand as given."""
     if setting == "auto":
+        if device.type == "cpu":
+            return "native"
         return "graphs" if device.type == "cuda" and attention == "soft" else "off"
     check_choice("fast_path", setting, FastPathSetting)
     return setting  # type: ignore[return-value]

@@ -54,7 +54,7 @@ class PassGradient:
     docstring). `through` puts one between a tensor and the steps."""
 
     def __init__(self, like: Tensor) -> None:
-        self.shape, self.dtype = like.shape, like.dtype
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
         self._inputs: list[Tensor] = []
         self._grads: list[Tensor] = []
         self._dense: Tensor | None = None
@@ -75,12 +75,18 @@ class PassGradient:
         self._inputs.append(x)
         self._grads.append(g)
 
+    def running_sum(self, dtype: torch.dtype) -> Tensor:
+        """The sum of the steps' row gradients itself, of the tensor's shape, for a kernel that
+        adds a step's rows into it in place. Zero-filled once a pass (in `dtype`), not once a
+        step."""
+        if self._dense is None:
+            self._dense = torch.zeros(self.shape, dtype=dtype, device=self.device)
+        return self._dense
+
     def add_rows(self, d: Tensor, *, scale: Tensor | None = None) -> None:
         """A step's gradient `d` (times `scale`, broadcast, if given) of the first d.size(0)
         rows; the other rows get none."""
-        if self._dense is None:  # zero-filled once a pass, not once a step
-            self._dense = d.new_zeros(self.shape)
-        rows = self._dense[: d.size(0)]
+        rows = self.running_sum(d.dtype)[: d.size(0)]
         if scale is None:
             rows.add_(d)
         else:

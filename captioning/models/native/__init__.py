@@ -1,0 +1,145 @@
+"""A native CPU kernel for the additive score, compiled on this machine on first use.
+
+On the CPU, the additive score w^T tanh(k_i + q) (Eq. 4) is the largest cost of a training step:
+its elementwise work over the (b, L, A) grid at every word is bound by memory traffic.
+`AdditiveScore` (captioning.models.attention) runs it as ATen operations, which pass over a
+(b, L, A) tensor twice forward and five times backward. `additive_score.cpp` makes one pass each
+way (the sigmoid recomputed in the backward rather than stored), in float32 or bfloat16, and is
+equal to the operations to float32 rounding (`tests/test_native.py`).
+
+`available()` builds it once per process with `torch.utils.cpp_extension` (a C++ compiler and
+ninja), for the vector width torch runs at here (`torch.backends.cpu.get_cpu_capability()`),
+into torch's extension folder (`$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions):
+about 30 s the first time on a machine, then a load. Builds are serialised by a file lock that
+dies with its holder (`captioning.locks`), so a build killed halfway never blocks the next. Where
+the kernel cannot be built it logs one warning and returns False; the caller runs the ATen ops.
+The decoder uses it through `fast_path: native`, which `auto` picks on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from captioning.locks import exclusive_lock
+from captioning.models.pass_grads import PassGradient
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("additive_score.cpp")
+DTYPES = (torch.float32, torch.bfloat16)  # the kernel's keys; others run the ATen ops
+
+#: Compiler flags for each vector width torch reports (ATen's own Vectorized types follow them).
+_ARCH_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+}
+
+
+def build_flags() -> tuple[str, list[str]]:
+    """(the extension's name, its compiler flags) for this machine's vector width."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    arch = _ARCH_FLAGS.get(capability, ["-DCPU_CAPABILITY=DEFAULT"])
+    name = "captioning_native_" + (capability.lower() if capability in _ARCH_FLAGS else "default")
+    return name, ["-O3", "-fopenmp", *arch]
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """cpp_extension runs `ninja` from PATH; a virtual environment's own (the `ninja` package)
+    is not there unless the environment is activated."""
+    here = Path(sys.executable).parent
+    if shutil.which("ninja") is not None or not (here / "ninja").exists():
+        yield
+        return
+    old = os.environ["PATH"]
+    os.environ["PATH"] = f"{here}{os.pathsep}{old}"
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+def build(build_root: Path | None = None) -> None:
+    """Compile (or find compiled) and load the kernel into `torch.ops.captioning_native`."""
+    cpp_log = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_log.level
+    cpp_log.setLevel(logging.ERROR)  # its import warns that no CUDA runtime is found
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        cpp_log.setLevel(level)
+    name, flags = build_flags()
+    root = Path(build_root or cpp_extension.get_default_build_root())
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with exclusive_lock(folder), _ninja_on_path():
+        # cpp_extension's own lock file, left behind by a killed build: older torch releases
+        # wait while it exists. Stale here, since every build of this folder holds
+        # `exclusive_lock` first.
+        (folder / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                           is_python_module=False, verbose=False)
+    log.debug("native additive score loaded in %.1f s (%s)", time.monotonic() - start, folder)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is loaded, building it on the first call; False, with one warning,
+    where it cannot be built."""
+    if hasattr(torch.ops.captioning_native, "additive_score"):
+        return True
+    log.info("loading the native CPU attention kernel (built once per machine, about 30 s)")
+    try:
+        build()
+    except Exception as err:  # no compiler, no ninja, no headers: the ATen ops instead
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning("the native CPU attention kernel could not be built (%s); training uses the "
+                    "slower ATen operations instead", first)
+        return False
+    return True
+
+
+def usable(keys: Tensor) -> bool:
+    """Whether the kernel can score these keys (built, on the CPU, float32 or bfloat16)."""
+    return keys.device.type == "cpu" and keys.dtype in DTYPES and available()
+
+
+class NativeAdditiveScore(torch.autograd.Function):
+    """`AdditiveScore` by the native kernel: the same arguments and results."""
+
+    @staticmethod
+    def forward(ctx: Any, keys: Tensor, q: Tensor, w: Tensor,  # type: ignore[override]
+                keys_grad: PassGradient | None) -> Tensor:
+        keys, q, w1 = keys.contiguous(), q.contiguous(), w.reshape(-1)
+        ctx.save_for_backward(keys, q, w1)
+        ctx.keys_grad, ctx.w_shape = keys_grad, w.shape
+        return torch.ops.captioning_native.additive_score(keys, q, w1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: Tensor  # type: ignore[override]
+                 ) -> tuple[Tensor | None, Tensor, Tensor, None]:
+        keys, q, w1 = ctx.saved_tensors
+        sink: PassGradient | None = ctx.keys_grad
+        dkeys = keys.new_empty(keys.shape) if sink is None else sink.running_sum(keys.dtype)
+        dq, dw = torch.ops.captioning_native.additive_score_backward(
+            g.contiguous(), keys, q, w1, dkeys, sink is not None)
+        if sink is not None:
+            return None, dq.to(q.dtype), dw.view(ctx.w_shape).to(w1.dtype), None
+        dkeys[q.size(0):].zero_()  # rows past the batch's running captions
+        return dkeys, dq.to(q.dtype), dw.view(ctx.w_shape).to(w1.dtype), None

@@ -1,0 +1,186 @@
+"""The native CPU kernel of the additive score (`captioning.models.native`): equal to the plain
+formula and to the ATen-ops path, in the decoder too, and safe to build: a build killed halfway
+does not block the next, and a machine that cannot build it trains with the ATen ops."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from captioning.models import native
+from captioning.models.attention import AdditiveAttention, AdditiveScore
+from captioning.models.decoder import AttentionLSTMDecoder, resolve_fast_path
+from captioning.models.pass_grads import PassGradient
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert native.available(), "the native kernel did not build on this machine"
+
+
+def score_and_grads(fn: str, keys: Tensor, q: Tensor, w: Tensor, g: Tensor, *,
+                    summed: bool) -> tuple[Tensor, ...]:
+    """Scores and the gradients of keys, q and w for the upstream gradient g."""
+    k, qq, ww = (x.clone().requires_grad_() for x in (keys, q, w))
+    kin, sink = PassGradient.through(k) if summed else (k, None)
+    if fn == "formula":
+        e = torch.tanh(kin[: q.size(0)] + qq.unsqueeze(1)) @ ww[0]
+    else:
+        score = native.NativeAdditiveScore if fn == "native" else AdditiveScore
+        e = score.apply(kin, qq, ww, sink)
+    e.backward(g)
+    return e.detach(), k.grad, qq.grad, ww.grad
+
+
+@pytest.mark.parametrize("A", [64, 37], ids=["vector-width", "with-a-tail"])
+@pytest.mark.parametrize("b", [5, 3], ids=["all-rows", "first-rows"])
+@pytest.mark.parametrize("summed", [False, True], ids=["own-gradient", "summed-over-the-pass"])
+def test_native_score_equals_the_formula_and_its_gradients(A: int, b: int, summed: bool) -> None:
+    """float32 kernel against the formula in float64, to 1e-5; rows past b get no gradient."""
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(5, 49, A, generator=g) * 2
+    q, w = torch.randn(b, A, generator=g), torch.randn(1, A, generator=g)
+    up = torch.randn(b, 49, generator=g)
+    ref = score_and_grads("formula", *(x.double() for x in (keys, q, w, up)), summed=False)
+    got = score_and_grads("native", keys, q, w, up, summed=summed)
+    for r, x, name in zip(ref, got, ("scores", "keys grad", "query grad", "w grad")):
+        assert x.dtype == torch.float32 and x.shape == r.shape, name
+        torch.testing.assert_close(x.double(), r, rtol=1e-5, atol=1e-5, msg=name)
+    assert bool(got[1][b:].eq(0).all())
+
+
+def test_native_score_in_bf16_is_as_close_to_float32_as_the_aten_ops() -> None:
+    """Under bf16 keys, both paths round; the kernel, computing in float32, is no farther from
+    the float32 formula than the ATen ops are (with a tenth of a bf16 step to spare)."""
+    g = torch.Generator().manual_seed(1)
+    keys, q = torch.randn(8, 196, 512, generator=g), torch.randn(6, 512, generator=g)
+    w, up = torch.randn(1, 512, generator=g) * 0.1, torch.randn(6, 196, generator=g)
+    ref = score_and_grads("formula", keys, q, w, up, summed=False)
+    low = [x.bfloat16() for x in (keys, q)]
+    for summed in (False, True):
+        ours = score_and_grads("native", *low, w, up, summed=summed)
+        aten = score_and_grads("ops", *low, w, up, summed=summed)
+        assert ours[0].dtype == torch.bfloat16 and ours[1].dtype == torch.bfloat16
+        for r, x, y, name in zip(ref, ours, aten, ("scores", "keys grad", "query grad", "w grad")):
+            err_ours, err_aten = ((t.float() - r).abs().max().item() for t in (x, y))
+            assert err_ours <= 1.1 * err_aten + 1e-6, (name, err_ours, err_aten)
+
+
+@pytest.mark.parametrize("dims,dropout", [((10, 49, 24, 20), 0.5), ((32, 196, 512, 512), 0.0)],
+                         ids=["small-dropout", "issue17-size"])
+def test_decoder_with_the_native_kernel_equals_the_aten_path(
+        dims: tuple[int, int, int, int], dropout: float) -> None:
+    """`fast_path: native` gives `off`'s loss to 1e-5 and every gradient, on a fixed batch."""
+    B, L, D, H = dims
+    torch.manual_seed(0)
+    dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=D, embed_dim=H, hidden_dim=H,
+                               attn_dim=H, dropout=dropout)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(B, L, D, generator=g).relu()
+    lengths = torch.randint(4, 15, (B,), generator=g)
+    caps = torch.randint(4, 40, (B, 15), generator=g)
+    weights = torch.randn(B, int(lengths.max()) - 1, 40, generator=g)  # each logit differently
+    runs = []
+    for mode in ("off", "native"):
+        dec.use_fast_path(mode)  # type: ignore[arg-type]
+        assert dec.fast_path == mode and dec.attention.native == (mode == "native")
+        dec.zero_grad()
+        torch.manual_seed(3)
+        loss = (dec(feats, caps, lengths).logits * weights).sum() / B
+        loss.backward()
+        runs.append((loss.item(), {n: p.grad.clone() for n, p in dec.named_parameters()}))
+    (loss_off, g_off), (loss_native, g_native) = runs
+    assert abs(loss_off - loss_native) <= 1e-5
+    for name, grad in g_off.items():
+        torch.testing.assert_close(g_native[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_auto_is_native_on_the_cpu_and_other_scorers_stay_off() -> None:
+    assert resolve_fast_path("auto", torch.device("cpu"), "hard") == "native"
+    dec = AttentionLSTMDecoder(vocab_size=12, feature_dim=8, embed_dim=6, hidden_dim=6,
+                               attn_dim=5, score="dot")
+    dec.use_fast_path("native")
+    assert dec.fast_path == "off" and not dec.attention.native  # no kernel for the dot score
+    att = AdditiveAttention(feature_dim=8, hidden_dim=6, attn_dim=5)
+    assert att.use_native(True)
+    e = att(att.project(torch.randn(2, 9, 8)), torch.randn(2, 6))
+    assert "NativeAdditiveScore" in type(e.grad_fn).__name__
+    e64 = att.double()(att.project(torch.randn(2, 9, 8).double()), torch.randn(2, 6).double())
+    assert "NativeAdditiveScore" not in type(e64.grad_fn).__name__  # float64: the ATen ops
+
+
+def run_python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_machine_that_cannot_build_it_trains_with_the_aten_ops() -> None:
+    """No compiler (cpp_extension fails): one warning, `native` falls back to `off`."""
+    result = run_python("""
+        import logging, torch
+        from torch.utils import cpp_extension
+        def no_compiler(*args, **kwargs):
+            raise RuntimeError("Error building extension 'x': c++: not found")
+        cpp_extension.load = no_compiler
+        logging.basicConfig(level=logging.WARNING)
+        from captioning.models.decoder import AttentionLSTMDecoder
+        dec = AttentionLSTMDecoder(vocab_size=12, feature_dim=8, embed_dim=6, hidden_dim=6,
+                                   attn_dim=5)
+        dec.use_fast_path("native")
+        dec.use_fast_path("native")
+        out = dec(torch.randn(2, 9, 8), torch.randint(4, 12, (2, 5)), torch.tensor([5, 4]))
+        out.logits.sum().backward()
+        print("fast_path", dec.fast_path, type(out.logits.grad_fn).__name__)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "fast_path off" in result.stdout
+    warnings = [line for line in result.stderr.splitlines() if "could not be built" in line]
+    assert len(warnings) == 1 and "c++: not found" in warnings[0], result.stderr
+
+
+def test_a_build_killed_halfway_does_not_block_the_next(tmp_path: Path) -> None:
+    """A killed build leaves cpp_extension's `lock` file behind. Older torch releases waited
+    while it existed (for ever); the build removes it under its own lock, which dies with its
+    holder. This torch holds a lock on that file instead: either way the next build runs."""
+    name, _ = native.build_flags()
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "lock").write_text("")  # as a killed build leaves it
+    result = run_python(f"""
+        import torch
+        from pathlib import Path
+        from captioning.models import native
+        native.build(Path({str(tmp_path)!r}))
+        keys, q, w = torch.randn(2, 3, 40), torch.randn(2, 40), torch.randn(40)
+        print("scores", tuple(torch.ops.captioning_native.additive_score(keys, q, w).shape))
+    """, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "scores (2, 3)" in result.stdout
+    assert list((tmp_path / name).glob("*.so"))
+
+
+def test_training_loss_is_unchanged_by_the_kernel_under_autocast() -> None:
+    """bf16 autocast, a decoder step: the kernel's loss is as near float32's as the ops'."""
+    torch.manual_seed(0)
+    dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=64, embed_dim=32, hidden_dim=32,
+                               attn_dim=32, dropout=0.0)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(6, 49, 64, generator=g).relu()
+    lengths, caps = torch.full((6,), 9), torch.randint(4, 40, (6, 9), generator=g)
+    losses = {}
+    for mode, bf16 in (("off", False), ("off", True), ("native", True)):
+        dec.use_fast_path(mode)  # type: ignore[arg-type]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = dec(feats, caps, lengths).logits
+        losses[mode, bf16] = F.cross_entropy(logits[:, :8].flatten(0, 1).float(),
+                                             caps[:, 1:].flatten()).item()
+    exact = losses["off", False]
+    assert abs(losses["native", True] - exact) <= 2 * abs(losses["off", True] - exact) + 1e-3
