@@ -58,6 +58,18 @@ def test_native_score_equals_the_formula_and_its_gradients(A: int, b: int, summe
     assert bool(got[1][b:].eq(0).all())
 
 
+@pytest.mark.parametrize("summed", [False, True], ids=["own-gradient", "summed-over-the-pass"])
+def test_native_score_backs_up_twice_through_a_retained_graph(summed: bool) -> None:
+    keys, q, w = (torch.randn(*s, requires_grad=True) for s in ((2, 3, 40), (2, 40), (1, 40)))
+    kin, sink = PassGradient.through(keys) if summed else (keys, None)
+    e = native.NativeAdditiveScore.apply(kin, q, w, sink).sum()
+    e.backward(retain_graph=True)
+    first = keys.grad.clone(), q.grad.clone(), w.grad.clone()
+    e.backward()
+    for grad, once in zip((keys.grad, q.grad, w.grad), first):
+        torch.testing.assert_close(grad, 2 * once)
+
+
 def test_native_score_in_bf16_is_as_close_to_float32_as_the_aten_ops() -> None:
     """Under bf16 keys, both paths round; the kernel, computing in float32, is no farther from
     the float32 formula than the ATen ops are (with a tenth of a bf16 step to spare)."""
@@ -184,3 +196,35 @@ def test_training_loss_is_unchanged_by_the_kernel_under_autocast() -> None:
                                              caps[:, 1:].flatten()).item()
     exact = losses["off", False]
     assert abs(losses["native", True] - exact) <= 2 * abs(losses["off", True] - exact) + 1e-3
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
+def test_the_kernel_builds_and_scores_right_at_every_vector_width(capability: str,
+                                                                  tmp_path: Path) -> None:
+    """What a machine without AVX-512 (or without AVX2) builds, run here: equal to the formula.
+    Skipped where this CPU lacks the width."""
+    if capability == "AVX2" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU has no AVX2")
+    result = run_python(f"""
+        import torch
+        from pathlib import Path
+        torch.backends.cpu.get_cpu_capability = lambda: {capability!r}
+        from captioning.models import native
+        assert native.build_flags()[0] == "captioning_native_{capability.lower()}"
+        native.build(Path({str(tmp_path)!r}))
+        g = torch.Generator().manual_seed(0)
+        keys, q = torch.randn(4, 7, 37, generator=g), torch.randn(3, 37, generator=g)
+        w, up = torch.randn(37, generator=g), torch.randn(3, 7, generator=g)
+        ops = torch.ops.captioning_native
+        k64, q64, w64 = (x.double().requires_grad_() for x in (keys, q, w))
+        e = torch.tanh(k64[:3] + q64.unsqueeze(1)) @ w64
+        e.backward(up.double())
+        dkeys = torch.zeros_like(keys)
+        dq, dw = ops.additive_score_backward(up, keys, q, w, dkeys, True)
+        for got, ref in ((ops.additive_score(keys, q, w), e), (dkeys, k64.grad),
+                         (dq, q64.grad), (dw, w64.grad)):
+            torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        print("equal")
+    """, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "equal" in result.stdout

@@ -85,6 +85,8 @@ def build(build_root: Path | None = None) -> None:
     root = Path(build_root or cpp_extension.get_default_build_root())
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
+    if not any(folder.glob(f"{name}*.so")):
+        log.info("building the native CPU attention kernel (once per machine, about 30 s)")
     start = time.monotonic()
     with exclusive_lock(folder), _ninja_on_path():
         # cpp_extension's own lock file, left behind by a killed build: older torch releases
@@ -103,7 +105,6 @@ def available() -> bool:
     where it cannot be built."""
     if hasattr(torch.ops.captioning_native, "additive_score"):
         return True
-    log.info("loading the native CPU attention kernel (built once per machine, about 30 s)")
     try:
         build()
     except Exception as err:  # no compiler, no ninja, no headers: the ATen ops instead
