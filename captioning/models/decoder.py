@@ -420,14 +420,11 @@ def _check_settings(*, attention: str, hard_decode: str, semi_sampling: str,
                     semi_sampling_prob: float, semi_sampling_grad: str, hard_estimator: str,
                     n_layers_init: int) -> None:
     """Refuse a setting the decoder does not know, naming it."""
-    choices = {"attention": (attention, ("soft", "hard")),
-               "hard_decode": (hard_decode, ("expected", "argmax", "sample")),
-               "semi_sampling": (semi_sampling, ("image", "batch")),
-               "semi_sampling_grad": (semi_sampling_grad, ("paper", "detached")),
-               "hard_estimator": (hard_estimator, ("reinforce", "gumbel"))}
-    for name, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ValueError(f"{name} must be {'|'.join(allowed)}, got {value!r}")
+    check_choice("attention", attention, AttentionKind)
+    check_choice("hard_decode", hard_decode, WeightRule)
+    check_choice("semi_sampling", semi_sampling, SemiSampling)
+    check_choice("semi_sampling_grad", semi_sampling_grad, SemiSamplingGrad)
+    check_choice("hard_estimator", hard_estimator, HardEstimator)
     if not 0.0 <= semi_sampling_prob <= 1.0:
         raise ValueError(f"semi_sampling_prob must be in [0, 1], got {semi_sampling_prob}")
     if n_layers_init < 1:
