@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Pretrained backbone weights live inside the project (torchvision reads $TORCH_HOME/hub/checkpoints).
 export TORCH_HOME ?= $(CURDIR)/.cache/torch
+# The native CPU attention kernel is compiled here on first use (captioning.models.native).
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: install test test-all lint demo demo-hard demo-scst benchmark check-installed clean
 

@@ -96,9 +96,10 @@ def _open(path: Path) -> int:
 
 @contextlib.contextmanager
 def exclusive_lock(target: str | os.PathLike[str], *, what: str | None = None
-                   ) -> Iterator[Path]:
+                   ) -> Iterator[bool]:
     """Hold an exclusive lock on `target` (through `<target>.lock`) for the block; blocks while
-    another process holds it. `what` names the target in the waiting message."""
+    another process holds it. `what` names the target in the waiting message. Yields whether
+    the lock is held: False where the file system has no locks (a warning was logged)."""
     path = lock_path(target)
     what = what or str(target)
     while True:
@@ -116,7 +117,7 @@ def exclusive_lock(target: str | os.PathLike[str], *, what: str | None = None
             with contextlib.suppress(OSError):  # read-only: another user's lock file
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()}\n".encode())
-        yield path
+        yield locked
     finally:
         if locked:
             with contextlib.suppress(OSError):

@@ -406,13 +406,17 @@ class AttentionLSTMDecoder(nn.Module):
 
 def resolve_fast_path(setting: str, device: torch.device, attention: str = "soft") -> FastPath:
     """The fast path for a device: `auto` is `graphs` for soft attention on CUDA and `native`
-    on the CPU, where each was measured faster (docs/benchmarks.md), and `off` elsewhere (hard
-    attention's sampled passes were not measured on a GPU); the others stand as given."""
+    on the CPU, where each was measured faster with soft attention (docs/benchmarks.md; on the
+    CPU hard attention scores by the same kernel), and `off` elsewhere (hard attention's
+    sampled passes were not measured on a GPU). `native` is a CPU kernel: `off` on other
+    devices. The others stand as given."""
     if setting == "auto":
         if device.type == "cpu":
             return "native"
         return "graphs" if device.type == "cuda" and attention == "soft" else "off"
     check_choice("fast_path", setting, FastPathSetting)
+    if setting == "native" and device.type != "cpu":
+        return "off"
     return setting  # type: ignore[return-value]
 
 

@@ -7,19 +7,23 @@ its elementwise work over the (b, L, A) grid at every word is bound by memory tr
 way (the sigmoid recomputed in the backward rather than stored), in float32 or bfloat16, and is
 equal to the operations to float32 rounding (`tests/test_native.py`).
 
-`available()` builds it once per process with `torch.utils.cpp_extension` (a C++ compiler and
-ninja), for the vector width torch runs at here (`torch.backends.cpu.get_cpu_capability()`),
-into torch's extension folder (`$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions):
-about 30 s the first time on a machine, then a load. Builds are serialised by a file lock that
-dies with its holder (`captioning.locks`), so a build killed halfway never blocks the next. Where
-the kernel cannot be built it logs one warning and returns False; the caller runs the ATen ops.
-The decoder uses it through `fast_path: native`, which `auto` picks on the CPU.
+`available()` loads it once per process, building it with `torch.utils.cpp_extension` (a C++
+compiler and ninja) where it is not built yet: 10 to 30 s, once per machine, torch version and
+source. It is built for the vector width torch runs at here
+(`torch.backends.cpu.get_cpu_capability()`), into a folder of torch's extension folder
+(`$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions) named by that width and a digest
+of torch's version, the flags and the source, which is copied there: checkouts with the same
+source share one build. Builds are serialised by a file lock that dies with its holder
+(`captioning.locks`), so a build killed halfway never blocks the next. Where the kernel cannot be
+built it logs one warning and returns False; the caller runs the ATen ops. The decoder uses it
+through `fast_path: native`, which `auto` picks on the CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -32,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from captioning.atomic import write_text_atomic
 from captioning.locks import exclusive_lock
 from captioning.models.pass_grads import PassGradient
 
@@ -49,11 +54,16 @@ _ARCH_FLAGS = {
 
 
 def build_flags() -> tuple[str, list[str]]:
-    """(the extension's name, its compiler flags) for this machine's vector width."""
+    """(the extension's name, its compiler flags) for this machine's vector width. The name
+    ends in a digest of torch's version, the flags and the source: a build of other headers or
+    another source is never loaded."""
     capability = torch.backends.cpu.get_cpu_capability()
     arch = _ARCH_FLAGS.get(capability, ["-DCPU_CAPABILITY=DEFAULT"])
-    name = "captioning_native_" + (capability.lower() if capability in _ARCH_FLAGS else "default")
-    return name, ["-O3", "-fopenmp", *arch]
+    flags = ["-O3", "-fopenmp", *arch]
+    digest = hashlib.sha256("\0".join([torch.__version__, str(torch.version.git_version),
+                                       *flags, SOURCE.read_text()]).encode()).hexdigest()[:12]
+    width = capability.lower() if capability in _ARCH_FLAGS else "default"
+    return f"captioning_native_{width}_{digest}", flags
 
 
 @contextlib.contextmanager
@@ -64,12 +74,15 @@ def _ninja_on_path() -> Iterator[None]:
     if shutil.which("ninja") is not None or not (here / "ninja").exists():
         yield
         return
-    old = os.environ["PATH"]
-    os.environ["PATH"] = f"{here}{os.pathsep}{old}"
+    old = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(filter(None, [str(here), old]))
     try:
         yield
     finally:
-        os.environ["PATH"] = old
+        if old is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = old
 
 
 def build(build_root: Path | None = None) -> None:
@@ -86,14 +99,18 @@ def build(build_root: Path | None = None) -> None:
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob(f"{name}*.so")):
-        log.info("building the native CPU attention kernel (once per machine, about 30 s)")
+        log.info("building the native CPU attention kernel (once per machine, 10 to 30 s)")
     start = time.monotonic()
-    with exclusive_lock(folder), _ninja_on_path():
-        # cpp_extension's own lock file, left behind by a killed build: older torch releases
-        # wait while it exists. Stale here, since every build of this folder holds
-        # `exclusive_lock` first.
-        (folder / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+    with exclusive_lock(folder) as locked, _ninja_on_path():
+        if locked:
+            # cpp_extension's own lock file, left behind by a killed build: older torch
+            # releases wait while it exists. Stale, since every build here holds our lock.
+            (folder / "lock").unlink(missing_ok=True)
+        source = folder / SOURCE.name  # one path for every checkout: ninja sees no change
+        text = SOURCE.read_text()
+        if not source.exists() or source.read_text() != text:
+            write_text_atomic(source, text)
+        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], build_directory=str(folder),
                            is_python_module=False, verbose=False)
     log.debug("native additive score loaded in %.1f s (%s)", time.monotonic() - start, folder)

@@ -17,6 +17,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -85,36 +86,42 @@ inline void backward_vec(const Vec& k, const Vec& q, const Vec& w, const Vec& g,
   at::vec::fmadd(g, s + s - Vec(1.f), Vec::loadu(dw)).store(dw);
 }
 
+// The rows are cut into `parts` fixed ranges, each summing dq and dw into its own buffer of
+// `partial` (parts × (b·A + A)): no buffer depends on which thread runs a range.
 template <typename T>
 void backward_rows(const float* G, const T* K, const float* Q, const float* W, T* DK,
-                   bool accumulate, float* partial, int64_t b, int64_t L, int64_t A) {
+                   bool accumulate, float* partial, int64_t parts, int64_t b, int64_t L,
+                   int64_t A) {
   const int64_t body = A - A % kChunk;
-  const int64_t stride = b * A + A;  // one thread's dq (b, A) and dw (A)
-  at::parallel_for(0, b * L, kGrain, [&](int64_t begin, int64_t end) {
-    float* dq_all = partial + at::get_thread_num() * stride;
-    float* dw = dq_all + b * A;
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t i = r / L;
-      const T* k = K + r * A;
-      const float* q = Q + i * A;
-      T* dk = DK + r * A;
-      float* dq = dq_all + i * A;
-      const Vec g(G[r]), g4(4.f * G[r]);
-      for (int64_t a = 0; a < body; a += kChunk) {
-        const int64_t h = a + Vec::size();
-        Vec k0, k1, d0(0.f), d1(0.f);
-        load2(k + a, k0, k1);
-        if (accumulate) load2(dk + a, d0, d1);
-        backward_vec(k0, Vec::loadu(q + a), Vec::loadu(W + a), g, g4, d0, dq + a, dw + a);
-        backward_vec(k1, Vec::loadu(q + h), Vec::loadu(W + h), g, g4, d1, dq + h, dw + h);
-        store2(dk + a, d0, d1);
-      }
-      for (int64_t a = body; a < A; ++a) {
-        const float s = sigmoid2(static_cast<float>(k[a]) + q[a]);
-        const float uw = 4.f * G[r] * s * (1.f - s) * W[a];
-        dk[a] = static_cast<T>((accumulate ? static_cast<float>(dk[a]) : 0.f) + uw);
-        dq[a] += uw;
-        dw[a] += G[r] * (2.f * s - 1.f);
+  const int64_t rows = b * L, per_part = (rows + parts - 1) / parts;
+  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+    for (int64_t part = first; part < last; ++part) {
+      float* dq_all = partial + part * (b * A + A);
+      float* dw = dq_all + b * A;
+      const int64_t end = std::min(rows, (part + 1) * per_part);
+      for (int64_t r = part * per_part; r < end; ++r) {
+        const int64_t i = r / L;
+        const T* k = K + r * A;
+        const float* q = Q + i * A;
+        T* dk = DK + r * A;
+        float* dq = dq_all + i * A;
+        const Vec g(G[r]), g4(4.f * G[r]);
+        for (int64_t a = 0; a < body; a += kChunk) {
+          const int64_t h = a + Vec::size();
+          Vec k0, k1, d0(0.f), d1(0.f);
+          load2(k + a, k0, k1);
+          if (accumulate) load2(dk + a, d0, d1);
+          backward_vec(k0, Vec::loadu(q + a), Vec::loadu(W + a), g, g4, d0, dq + a, dw + a);
+          backward_vec(k1, Vec::loadu(q + h), Vec::loadu(W + h), g, g4, d1, dq + h, dw + h);
+          store2(dk + a, d0, d1);
+        }
+        for (int64_t a = body; a < A; ++a) {
+          const float s = sigmoid2(static_cast<float>(k[a]) + q[a]);
+          const float uw = 4.f * G[r] * s * (1.f - s) * W[a];
+          dk[a] = static_cast<T>((accumulate ? static_cast<float>(dk[a]) : 0.f) + uw);
+          dq[a] += uw;
+          dw[a] += G[r] * (2.f * s - 1.f);
+        }
       }
     }
   });
@@ -163,18 +170,21 @@ std::tuple<at::Tensor, at::Tensor> additive_score_backward(
   TORCH_CHECK(g.dim() == 2 && g.size(0) == b && g.size(1) == L, "g must be (b, L)");
   const at::Tensor gf = g.to(at::kFloat).contiguous(), qf = q.to(at::kFloat).contiguous(),
                    wf = w.to(at::kFloat).contiguous();
-  const int64_t threads = at::get_num_threads();
-  std::vector<float> partial(threads * (b * A + A), 0.f);
+  // one range per thread, fewer where there are few rows (each range at least kGrain rows)
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
+                                                                b * L / kGrain));
+  std::vector<float> partial(parts * (b * A + A), 0.f);
   dispatch(keys, [&](auto zero) {
     using T = decltype(zero);
     backward_rows<T>(gf.const_data_ptr<float>(), keys.const_data_ptr<T>(),
                      qf.const_data_ptr<float>(), wf.const_data_ptr<float>(),
-                     dkeys.mutable_data_ptr<T>(), accumulate, partial.data(), b, L, A);
+                     dkeys.mutable_data_ptr<T>(), accumulate, partial.data(), parts, b, L,
+                     A);
   });
   at::Tensor dq = at::zeros({b, A}, qf.options()), dw = at::zeros({A}, wf.options());
   float* dq_p = dq.mutable_data_ptr<float>();
   float* dw_p = dw.mutable_data_ptr<float>();
-  for (int64_t t = 0; t < threads; ++t) {
+  for (int64_t t = 0; t < parts; ++t) {
     const float* part = partial.data() + t * (b * A + A);
     for (int64_t j = 0; j < b * A; ++j) dq_p[j] += part[j];
     for (int64_t j = 0; j < A; ++j) dw_p[j] += part[b * A + j];
