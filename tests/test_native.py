@@ -163,6 +163,7 @@ def test_decoder_with_the_native_kernel_equals_the_aten_path(
 @pytest.mark.usefixtures("built")
 def test_auto_is_native_on_the_cpu_and_other_scorers_stay_off() -> None:
     assert resolve_fast_path("auto", torch.device("cpu"), "hard") == "native"
+    assert resolve_fast_path("native", torch.device("cuda")) == "off"  # a CPU kernel
     dec = AttentionLSTMDecoder(vocab_size=12, feature_dim=8, embed_dim=6, hidden_dim=6,
                                attn_dim=5, score="dot")
     dec.use_fast_path("native")
