@@ -24,6 +24,26 @@ SHAPES_PARAMS: dict[str, int] = {"num_train": 24, "num_val": 8, "num_test": 8,
                                  "image_size": 64, "seed": 0}
 
 
+def decoder_and_batch(dims: tuple[int, int, int, int], dropout: float, *, grouped: bool = False
+                      ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
+    """A decoder (B, L, D, H: batch, locations, feature and hidden width; vocabulary 40) from
+    seed 0 and a random batch: (decoder, features (B, L, D), captions (B, 15), lengths (B,),
+    the batch's generator, for more draws). `grouped`: caption i shows image i // 5, shuffled."""
+    from captioning.models.decoder import AttentionLSTMDecoder
+
+    B, L, D, H = dims
+    torch.manual_seed(0)
+    dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=D, embed_dim=H, hidden_dim=H,
+                               attn_dim=H, dropout=dropout)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(B, L, D, generator=g).relu()
+    if grouped:
+        feats = feats[torch.randperm(B, generator=g) // 5]
+    lengths = torch.randint(4, 15, (B,), generator=g)
+    caps = torch.randint(4, 40, (B, 15), generator=g)
+    return dec, feats, caps, lengths, g
+
+
 #: For the tests that score with pycocoevalcap (BLEU, METEOR, ...), whose scorers run Java.
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="needs Java")
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import decoder_and_batch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -118,16 +119,7 @@ def test_decoder_loss_and_gradients_equal_the_reference(dims: tuple[int, int, in
     """The decoder's loss and every gradient equal the plain formulas', with an image per
     caption and with five captions per image; with dropout, its masks are those nn.Dropout
     draws over the padded batch from the same seed, though the decoder skips the padding."""
-    B, L, D, H = dims
-    torch.manual_seed(0)
-    dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=D, embed_dim=H, hidden_dim=H,
-                               attn_dim=H, dropout=dropout)
-    g = torch.Generator().manual_seed(2)
-    feats = torch.randn(B, L, D, generator=g).relu()
-    if grouped:  # caption i shows image i // 5, in a shuffled order
-        feats = feats[torch.randperm(B, generator=g) // 5]
-    lengths = torch.randint(4, 15, (B,), generator=g)
-    caps = torch.randint(4, 40, (B, 15), generator=g)
+    dec, feats, caps, lengths, _ = decoder_and_batch(dims, dropout, grouped=grouped)
     grads = []
     for run in ("decoder", "reference"):
         dec.zero_grad()

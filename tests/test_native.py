@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import decoder_and_batch
 from torch import Tensor
 
 from captioning.models import native
@@ -136,14 +137,8 @@ def test_native_score_in_bf16_is_as_close_to_float32_as_the_aten_ops() -> None:
 def test_decoder_with_the_native_kernel_equals_the_aten_path(
         dims: tuple[int, int, int, int], dropout: float) -> None:
     """`fast_path: native` gives `off`'s loss to 1e-5 and every gradient, on a fixed batch."""
-    B, L, D, H = dims
-    torch.manual_seed(0)
-    dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=D, embed_dim=H, hidden_dim=H,
-                               attn_dim=H, dropout=dropout)
-    g = torch.Generator().manual_seed(2)
-    feats = torch.randn(B, L, D, generator=g).relu()
-    lengths = torch.randint(4, 15, (B,), generator=g)
-    caps = torch.randint(4, 40, (B, 15), generator=g)
+    dec, feats, caps, lengths, g = decoder_and_batch(dims, dropout)
+    B = feats.size(0)
     weights = torch.randn(B, int(lengths.max()) - 1, 40, generator=g)  # each logit differently
     runs = []
     for mode in ("off", "native"):
