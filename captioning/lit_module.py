@@ -20,9 +20,9 @@ from captioning.data.features import attach_feature_cache
 from captioning.distributed import broadcast_object
 from captioning.evaluation import EvalResults, compute_metrics, gather, to_results, write_results
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
-from captioning.models.decoder import FastPathSetting, resolve_fast_path
 from captioning.models.decoding import Generation
 from captioning.models.encoder import fingerprint
+from captioning.models.fast_path import FastPathSetting, resolve_fast_path
 from captioning.objectives import ObjectiveKind, RewardForm, build_objective
 from captioning.optim import StepGuard, batch_message, build_adam, poisoned_loss, says_non_finite
 from captioning.scst import ScstConfig

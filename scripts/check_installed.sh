@@ -26,7 +26,7 @@ rm -rf "$WORK/dist"
   || "$REPO/.venv/bin/pip" wheel --no-deps -q -w "$WORK/dist" "$REPO"
 WHEEL="$(ls "$WORK"/dist/captioning-*.whl)"
 unzip -l "$WHEEL" | grep -q 'captioning/configs/model/demo_soft.yaml'
-unzip -l "$WHEEL" | grep -q 'captioning/models/native/additive_score.cpp'  # built on first use
+unzip -l "$WHEEL" | grep -q 'captioning/models/native/attention.cpp'  # built on first use
 echo "$WHEEL"
 
 step "install it in a fresh virtual environment"

@@ -7,7 +7,7 @@ from typing import Literal
 import pytest
 
 from captioning.choices import check_choice
-from captioning.models.decoder import FastPathSetting
+from captioning.models.fast_path import FastPathSetting
 
 
 def test_a_value_outside_the_literal_is_one_line_listing_the_choices() -> None:

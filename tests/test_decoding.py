@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from captioning.models import AttentionLSTMDecoder, Captioner, CaptionerConfig, DecodeConfig
-from captioning.models.decoder import DecoderState, Memory
 from captioning.models.decoding import Generation, beam_search, greedy_search, length_normalised
+from captioning.models.state import DecoderState, Memory
 
 PAD, START, END, UNK = 0, 1, 2, 3
 D, L = 16, 5

@@ -13,7 +13,8 @@ from torch import Tensor
 from captioning.checkpoint import upgrade_hparams
 from captioning.lit_module import CaptioningModule
 from captioning.models import CaptionerConfig, native
-from captioning.models.decoder import AttentionLSTMDecoder, resolve_fast_path
+from captioning.models.decoder import AttentionLSTMDecoder
+from captioning.models.fast_path import resolve_fast_path
 from captioning.objectives import MaximumLikelihood
 
 V, D, L = 30, 16, 9

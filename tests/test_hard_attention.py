@@ -23,8 +23,8 @@ from captioning.losses import (
 )
 from captioning.models import AttentionLSTMDecoder, CaptionerConfig
 from captioning.models.attention import LOG_EPS, AdditiveAttention, select
-from captioning.models.decoder import Memory
 from captioning.models.decoding import beam_search, greedy_search
+from captioning.models.state import Memory
 from captioning.objectives import expected_word_log_likelihoods
 
 V, D, L = 12, 16, 5

@@ -1,6 +1,7 @@
-"""The native CPU kernel of the additive score (`captioning.models.native`): equal to the plain
-formula and to the ATen-ops path, in the decoder too, and safe to build: a build killed halfway
-does not block the next, and a machine that cannot build it trains with the ATen ops."""
+"""The native CPU kernels of the additive score and the context (`captioning.models.native`):
+equal to the plain formulas and to the ATen-ops path, with captions sharing grid rows too, in the
+decoder as well, and safe to build: a build killed halfway does not block the next, and a
+machine that cannot build them trains with the ATen ops."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from torch import Tensor
 
 from captioning.models import native
 from captioning.models.attention import AdditiveAttention, AdditiveScore
-from captioning.models.decoder import AttentionLSTMDecoder, resolve_fast_path
+from captioning.models.decoder import AttentionLSTMDecoder
+from captioning.models.fast_path import resolve_fast_path
 from captioning.models.pass_grads import PassGradient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,15 +35,18 @@ def built() -> None:
 
 
 def score_and_grads(fn: str, keys: Tensor, q: Tensor, w: Tensor, g: Tensor, *,
-                    summed: bool) -> tuple[Tensor, ...]:
-    """Scores and the gradients of keys, q and w for the upstream gradient g."""
+                    summed: bool, rows: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Scores and the gradients of keys, q and w for the upstream gradient g; caption c reads
+    keys[rows[c]] (None: keys[c])."""
     k, qq, ww = (x.clone().requires_grad_() for x in (keys, q, w))
     kin, sink = PassGradient.through(k) if summed else (k, None)
     if fn == "formula":
-        e = torch.tanh(kin[: q.size(0)] + qq.unsqueeze(1)) @ ww[0]
+        read = kin[: q.size(0)] if rows is None else kin[rows]
+        e = torch.tanh(read + qq.unsqueeze(1)) @ ww[0]
+    elif fn == "native":
+        e = native.NativeAdditiveScore.apply(kin, qq, ww, sink, rows)
     else:
-        score = native.NativeAdditiveScore if fn == "native" else AdditiveScore
-        e = score.apply(kin, qq, ww, sink)
+        e = AdditiveScore.apply(kin, qq, ww, sink)
     e.backward(g)
     return e.detach(), k.grad, qq.grad, ww.grad
 
@@ -65,6 +70,54 @@ def test_native_score_equals_the_formula_and_its_gradients(A: int, b: int, summe
 
 
 @pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("A", [64, 37], ids=["vector-width", "with-a-tail"])
+@pytest.mark.parametrize("summed", [False, True], ids=["own-gradient", "summed-over-the-pass"])
+def test_captions_sharing_key_rows_score_as_the_formula(A: int, summed: bool) -> None:
+    """Captions reading keys through `rows` (three of one image, one alone, one row unread):
+    scores and gradients equal to the formula over the gathered keys, in float64, to 1e-5; each
+    row's gradient is the sum over its captions, the unread row gets none."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(4, 49, A, generator=g) * 2
+    rows = torch.tensor([2, 0, 2, 3, 2])
+    q, w = torch.randn(5, A, generator=g), torch.randn(1, A, generator=g)
+    up = torch.randn(5, 49, generator=g)
+    ref = score_and_grads("formula", *(x.double() for x in (keys, q, w, up)), summed=False,
+                          rows=rows)
+    got = score_and_grads("native", keys, q, w, up, summed=summed, rows=rows)
+    for r, x, name in zip(ref, got, ("scores", "keys grad", "query grad", "w grad")):
+        assert x.dtype == torch.float32 and x.shape == r.shape, name
+        torch.testing.assert_close(x.double(), r, rtol=1e-5, atol=1e-5, msg=name)
+    assert bool(got[1][1].eq(0).all()) and bool(got[1][2].ne(0).any())
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 37], ids=["vector-width", "with-a-tail"])
+def test_the_context_kernel_equals_the_weighted_sum(D: int, dtype: torch.dtype) -> None:
+    """z_c = Σ_i w_ci a_{rows[c], i} and the weights' gradient, against the formula in float64:
+    to 1e-5 in float32; in bf16 annotations, z rounded once to bf16."""
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(4, 49, D, generator=g).relu().to(dtype)
+    for rows in (torch.tensor([2, 0, 2, 3, 2]), None):
+        weights = torch.softmax(torch.randn(5 if rows is not None else 3, 49, generator=g), -1)
+        up = torch.randn(weights.size(0), D, generator=g)
+        w64 = weights.double().requires_grad_()
+        read = values.double()[: weights.size(0)] if rows is None else values.double()[rows]
+        ref = torch.bmm(w64.unsqueeze(1), read).squeeze(1)
+        ref.backward(up.double())
+        w32 = weights.clone().requires_grad_()
+        z = native.NativeContext.apply(w32, values, rows)
+        z.backward(up.to(z.dtype))
+        assert z.dtype == dtype and w32.grad is not None and w32.grad.dtype == torch.float32
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(z.double(), ref.detach(), rtol=tol, atol=tol)
+        grad_tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the upstream rounded too
+        torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=grad_tol, atol=grad_tol)
+    with pytest.raises(ValueError, match="no gradient of the annotations"):
+        native.NativeContext.apply(weights, values.float().requires_grad_(), None)
+
+
+@pytest.mark.usefixtures("built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("A", [64, 37], ids=["vector-width", "with-a-tail"])
 def test_the_keys_gradient_sums_over_the_steps_of_a_pass(A: int, dtype: torch.dtype) -> None:
@@ -83,8 +136,9 @@ def test_the_keys_gradient_sums_over_the_steps_of_a_pass(A: int, dtype: torch.dt
             if fn == "formula":
                 e = torch.tanh(kin[: q.size(0)] + q.to(kin.dtype).unsqueeze(1)) @ w[0].to(kin.dtype)
             else:
-                score = native.NativeAdditiveScore if fn == "native" else AdditiveScore
-                e = score.apply(kin, q.to(kin.dtype), w, sink)
+                qk = q.to(kin.dtype)
+                e = (native.NativeAdditiveScore.apply(kin, qk, w, sink, None) if fn == "native"
+                     else AdditiveScore.apply(kin, qk, w, sink))
             total = total + (e * up.to(e.dtype)).sum()
         total.backward()
         return k.grad
@@ -105,7 +159,7 @@ def test_the_keys_gradient_sums_over_the_steps_of_a_pass(A: int, dtype: torch.dt
 def test_native_score_backs_up_twice_through_a_retained_graph(summed: bool) -> None:
     keys, q, w = (torch.randn(*s, requires_grad=True) for s in ((2, 3, 40), (2, 40), (1, 40)))
     kin, sink = PassGradient.through(keys) if summed else (keys, None)
-    e = native.NativeAdditiveScore.apply(kin, q, w, sink).sum()
+    e = native.NativeAdditiveScore.apply(kin, q, w, sink, None).sum()
     e.backward(retain_graph=True)
     first = keys.grad.clone(), q.grad.clone(), w.grad.clone()
     e.backward()
@@ -131,28 +185,43 @@ def test_native_score_in_bf16_is_as_close_to_float32_as_the_aten_ops() -> None:
             assert err_ours <= 1.1 * err_aten + 1e-6, (name, err_ours, err_aten)
 
 
-@pytest.mark.parametrize("dims,dropout", [((10, 49, 24, 20), 0.5), ((32, 196, 512, 512), 0.0)],
-                         ids=["small-dropout", "issue17-size"])
+@pytest.mark.parametrize("dims,dropout,batch", [
+    ((10, 49, 24, 20), 0.5, "distinct"), ((10, 49, 24, 20), 0.5, "by-image"),
+    ((10, 49, 24, 20), 0.5, "grid-with-gradient"), ((32, 196, 512, 512), 0.0, "by-image")],
+    ids=["small-dropout", "small-by-image", "small-fine-tuned", "issue17-size-by-image"])
 @pytest.mark.usefixtures("built")
 def test_decoder_with_the_native_kernel_equals_the_aten_path(
-        dims: tuple[int, int, int, int], dropout: float) -> None:
-    """`fast_path: native` gives `off`'s loss to 1e-5 and every gradient, on a fixed batch."""
-    dec, feats, caps, lengths, g = decoder_and_batch(dims, dropout)
+        dims: tuple[int, int, int, int], dropout: float, batch: str) -> None:
+    """`fast_path: native` gives `off`'s loss to 1e-5 and every gradient, on a fixed batch: of
+    distinct images, of five captions an image (whose keys the native pass projects once per
+    image, each caption reading its image's row), and of a grid that takes a gradient."""
+    dec, feats, caps, lengths, g = decoder_and_batch(dims, dropout,
+                                                     grouped=batch == "by-image")
     B = feats.size(0)
     weights = torch.randn(B, int(lengths.max()) - 1, 40, generator=g)  # each logit differently
+    projected: list[int] = []
+    dec.attention.key.register_forward_hook(lambda m, args, out: projected.append(len(args[0])))
     runs = []
     for mode in ("off", "native"):
         dec.use_fast_path(mode)  # type: ignore[arg-type]
         assert dec.fast_path == mode and dec.attention.native == (mode == "native")
         dec.zero_grad()
+        x = feats.clone().requires_grad_(batch == "grid-with-gradient")
         torch.manual_seed(3)
-        loss = (dec(feats, caps, lengths).logits * weights).sum() / B
+        loss = (dec(x, caps, lengths).logits * weights).sum() / B
         loss.backward()
-        runs.append((loss.item(), {n: p.grad.clone() for n, p in dec.named_parameters()}))
+        grads = {n: p.grad.clone() for n, p in dec.named_parameters()}
+        if x.grad is not None:
+            grads["features"] = x.grad
+        runs.append((loss.item(), grads))
     (loss_off, g_off), (loss_native, g_native) = runs
     assert abs(loss_off - loss_native) <= 1e-5 * max(1.0, abs(loss_off))
+    assert g_off.keys() == g_native.keys()
     for name, grad in g_off.items():
         torch.testing.assert_close(g_native[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    distinct = len(torch.unique(feats.flatten(1), dim=0))
+    assert distinct == (-(-B // 5) if batch == "by-image" else B)
+    assert projected[-1] == distinct  # the native pass's keys: once per image
 
 
 @pytest.mark.usefixtures("built")
@@ -230,7 +299,7 @@ def test_a_build_killed_halfway_does_not_block_the_next(tmp_path: Path) -> None:
         from captioning.models import native
         native.build(Path({str(tmp_path)!r}))
         keys, q, w = torch.randn(2, 3, 40), torch.randn(2, 40), torch.randn(40)
-        print("scores", tuple(torch.ops.captioning_native.additive_score(keys, q, w).shape))
+        print("scores", tuple(torch.ops.captioning_native.additive_score(keys, q, w, None).shape))
     """, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "scores (2, 3)" in result.stdout
@@ -281,17 +350,33 @@ def test_the_kernel_builds_and_scores_right_at_every_vector_width(capability: st
         e = torch.tanh(k64[:3] + q64.unsqueeze(1)) @ w64
         e.backward(up.double())
         dkeys = torch.zeros_like(keys)
-        dq, dw = ops.additive_score_backward(up, keys, q, w, dkeys, True)
-        for got, ref in ((ops.additive_score(keys, q, w), e), (dkeys, k64.grad),
+        dq, dw = ops.additive_score_backward(up, keys, q, w, None, dkeys)
+        for got, ref in ((ops.additive_score(keys, q, w, None), e), (dkeys, k64.grad),
                          (dq, q64.grad), (dw, w64.grad)):
             torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        rows = torch.tensor([1, 3, 1])  # two captions share a row
+        k64 = keys.double().requires_grad_()
+        e = torch.tanh(k64[rows] + q.double().unsqueeze(1)) @ w.double()
+        e.backward(up.double())
+        dkeys = torch.zeros_like(keys)
+        ops.additive_score_backward(up, keys, q, w, rows, dkeys)
+        for got, ref in ((ops.additive_score(keys, q, w, rows), e), (dkeys, k64.grad)):
+            torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        a = torch.softmax(up, -1)  # the context over the keys as annotations, by those rows
+        z = ops.attention_context(a, keys, rows)
+        ref = torch.bmm(a.double().unsqueeze(1), keys.double()[rows]).squeeze(1)
+        torch.testing.assert_close(z.double(), ref, rtol=1e-5, atol=1e-5)
+        dz = torch.randn(3, 37, generator=g)
+        ref = torch.bmm(keys.double()[rows], dz.double().unsqueeze(2))[..., 0]
+        torch.testing.assert_close(ops.attention_context_backward(dz, keys, rows).double(), ref,
+                                   rtol=1e-5, atol=1e-5)
         low = keys.bfloat16()  # bf16 keys: the same sums, rounded to bf16 where stored
         k64 = low.double().requires_grad_()
         e = torch.tanh(k64[:3] + q.double().unsqueeze(1)) @ w.double()
         e.backward(up.double())
         dkeys = torch.zeros_like(low)
-        ops.additive_score_backward(up, low, q, w, dkeys, True)
-        torch.testing.assert_close(ops.additive_score(low, q, w).double(), e.detach(),
+        ops.additive_score_backward(up, low, q, w, None, dkeys)
+        torch.testing.assert_close(ops.additive_score(low, q, w, None).double(), e.detach(),
                                    rtol=1e-2, atol=2e-2)
         torch.testing.assert_close(dkeys.double(), k64.grad, rtol=1e-2, atol=1e-2)
         print("equal")

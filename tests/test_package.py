@@ -36,7 +36,7 @@ def test_configs_are_package_data_with_one_copy() -> None:
     text = (REPO / "pyproject.toml").read_text()
     assert '"configs/*/*.yaml"' in text  # what the wheel ships
     assert '"models/native/*.cpp"' in text  # the native kernel's source, compiled on first use
-    assert (REPO / "captioning" / "models" / "native" / "additive_score.cpp").is_file()
+    assert (REPO / "captioning" / "models" / "native" / "attention.cpp").is_file()
 
 
 @pytest.mark.parametrize("name", ["paper_soft", "model/paper_soft", "model/paper_soft.yaml",

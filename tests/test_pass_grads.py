@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from captioning.models.pass_grads import PassGradient, RecurrentProduct
+from captioning.models.pass_grads import PassGradient, RecurrentProduct, lstm_pass_weights
 
 ROWS = (5, 5, 4, 2, 1)  # a shrinking batch, as the decoder's: captions end one by one
 
@@ -119,3 +119,31 @@ def test_under_autocast_the_steps_read_one_cast_and_the_gradient_keeps_its_dtype
     assert weight.grad is not None and weight.grad.dtype == torch.float32
     torch.testing.assert_close(outs[0], outs[1])
     torch.testing.assert_close(weight.grad, plain.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_the_lstm_weights_of_a_pass_get_plain_gradients_in_their_own_layout() -> None:
+    """The word part and [W_z | W_hh]^T of nn.LSTMCell's weights, used as a pass uses them (the
+    word gates' product, then steps by `RecurrentProduct`): each parameter's gradient equals
+    slicing's and concatenating's, and comes back contiguous, in the parameter's layout."""
+    E, D, H = 3, 4, 5
+    g = torch.Generator().manual_seed(1)
+    cell = torch.nn.LSTMCell(E + D, H)
+    emb = torch.randn(6, E, generator=g)
+    xs = [torch.randn(b, D + H, generator=g) for b in (6, 6, 3)]
+    grads = []
+    for ours in (True, False):
+        cell.zero_grad(set_to_none=True)
+        if ours:
+            word, recurrent = lstm_pass_weights(cell.weight_ih, cell.weight_hh, E)
+        else:
+            word = cell.weight_ih[:, :E]
+            recurrent = torch.cat([cell.weight_ih[:, E:], cell.weight_hh], dim=1).t()
+        gates = emb @ word.t()  # (6, 4H)
+        product = RecurrentProduct(recurrent, defer=ours)
+        loss = sum((torch.tanh(product(gates[: x.size(0)], x)) * (i + 1)).sum()
+                   for i, x in enumerate(xs))
+        loss.backward()
+        grads.append((cell.weight_ih.grad, cell.weight_hh.grad))
+    for got, ref in zip(grads[0], grads[1]):
+        assert got.is_contiguous() and got.abs().sum() > 0
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

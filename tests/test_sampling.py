@@ -28,13 +28,13 @@ from test_decoding import (
 from captioning.checkpoint import save_inference_checkpoint
 from captioning.commands.caption import main as caption_main
 from captioning.models import Captioner, CaptionerConfig, DecodeConfig
-from captioning.models.decoder import Memory
 from captioning.models.decoding import (
     beam_search,
     greedy_search,
     length_normalised,
     sample_search,
 )
+from captioning.models.state import Memory
 from captioning.vocab import SPECIALS, Vocabulary
 
 

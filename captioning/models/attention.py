@@ -1,7 +1,7 @@
 """Attention over the annotation grid (Xu et al. 2015, §4).
 
 A scorer gives e_ti = f_att(a_i, h_{t-1}) (Eq. 4); `select` turns the scores into α_t = softmax(e_t)
-(Eq. 5) and the weights that form the context z_t = Σ_i w_ti a_i (Eq. 6):
+(Eq. 5) and the weights that form the context z_t = Σ_i w_ti a_i (Eq. 6, `context`):
 
 * soft:   w_t = α_t                      (Eq. 13, the expected context)
 * hard:   w_t = one_hot(s_t), s_t ~ Multinoulli(α_t)   (Eqs. 8-9)
@@ -53,10 +53,11 @@ class Scorer(nn.Module):
     """f_att: `project` annotations (B, L, D) to keys (B, L, K) once per image, then
     `forward(keys, h)` gives the scores e_t (b, L) at every step, for h (b, H): the first
     b ≤ B rows of the keys (the teacher-forced pass drops captions as they end, and slicing the
-    keys itself would cost a zero-filled (B, L, K) gradient each time). A teacher-forced pass
-    may give `keys_grad`, where a scorer's backward can sum the keys' gradient over the steps
-    in place (`captioning.models.pass_grads`); the CPU additive score does, the others leave
-    it to autograd."""
+    keys itself would cost a zero-filled (B, L, K) gradient each time), or with `rows` (b,)
+    caption c scores keys[rows[c]] (the pass's one row per distinct image). A teacher-forced
+    pass may give `keys_grad`, where a scorer's backward can sum the keys' gradient over the
+    steps in place (`captioning.models.pass_grads`); the CPU additive score does, the others
+    leave it to autograd."""
 
     key: nn.Module
 
@@ -74,9 +75,14 @@ class Scorer(nn.Module):
         """Keys of every location: (B, L, D) -> (B, L, K). Computed once, reused each step."""
         return self.deep(self.key(features))
 
-    def forward(self, keys: Tensor, h: Tensor, *,
-                keys_grad: PassGradient | None = None) -> Tensor:
+    def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
+                rows: Tensor | None = None) -> Tensor:
         raise NotImplementedError
+
+    @staticmethod
+    def running_keys(keys: Tensor, b: int, rows: Tensor | None) -> Tensor:
+        """The keys that b captions score (b, L, K): the first b rows, or rows `rows`."""
+        return keys[:b] if rows is None else keys.index_select(0, rows)
 
 
 class AdditiveScore(torch.autograd.Function):
@@ -147,12 +153,14 @@ class AdditiveAttention(Scorer):
         self.native = on and native.available()
         return self.native
 
-    def forward(self, keys: Tensor, h: Tensor, *,
-                keys_grad: PassGradient | None = None) -> Tensor:
+    def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
+                rows: Tensor | None = None) -> Tensor:
         """Scores e_ti (b, L) from the previous hidden state h_{t-1} (b, H) and the keys."""
         q = self.query(h)  # (b, A)
         if self.native and native.usable(keys):  # one pass each way (captioning.models.native)
-            return native.NativeAdditiveScore.apply(keys, q, self.score.weight, keys_grad)
+            return native.NativeAdditiveScore.apply(keys, q, self.score.weight, keys_grad, rows)
+        if rows is not None:  # the ATen ops read the first b rows: each caption's keys, copied
+            keys, keys_grad = keys.index_select(0, rows), None
         if keys.device.type == "cpu":  # one kernel chain instead of autograd's five (B, L, A) ops
             return AdditiveScore.apply(keys, q, self.score.weight, keys_grad)
         k = keys[: q.size(0)]
@@ -171,10 +179,10 @@ class DotAttention(Scorer):
         self.key = nn.Linear(feature_dim, attn_dim, bias=False)  # W_k, once per image
         self.query = nn.Linear(hidden_dim, attn_dim, bias=False)  # W_q
 
-    def forward(self, keys: Tensor, h: Tensor, *,
-                keys_grad: PassGradient | None = None) -> Tensor:
+    def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
+                rows: Tensor | None = None) -> Tensor:
         q = self.query(h).unsqueeze(2)  # (b, A, 1)
-        return torch.bmm(keys[: q.size(0)], q).squeeze(2)  # (b, L)
+        return torch.bmm(self.running_keys(keys, q.size(0), rows), q).squeeze(2)  # (b, L)
 
 
 class ScaledDotAttention(DotAttention):
@@ -187,9 +195,9 @@ class ScaledDotAttention(DotAttention):
                          n_layers=n_layers)
         self.scale = 1.0 / math.sqrt(attn_dim)
 
-    def forward(self, keys: Tensor, h: Tensor, *,
-                keys_grad: PassGradient | None = None) -> Tensor:
-        return super().forward(keys, h, keys_grad=keys_grad) * self.scale  # (b, L)
+    def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
+                rows: Tensor | None = None) -> Tensor:
+        return super().forward(keys, h, keys_grad=keys_grad, rows=rows) * self.scale  # (b, L)
 
 
 class GeneralAttention(Scorer):
@@ -201,9 +209,10 @@ class GeneralAttention(Scorer):
         super().__init__(key_dim=hidden_dim, n_layers=n_layers)  # attn_dim is not used
         self.key = nn.Linear(feature_dim, hidden_dim, bias=False)  # W
 
-    def forward(self, keys: Tensor, h: Tensor, *,
-                keys_grad: PassGradient | None = None) -> Tensor:
-        return torch.bmm(keys[: h.size(0)], h.unsqueeze(2)).squeeze(2)  # (b, L)
+    def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
+                rows: Tensor | None = None) -> Tensor:
+        keys = self.running_keys(keys, h.size(0), rows)
+        return torch.bmm(keys, h.unsqueeze(2)).squeeze(2)  # (b, L)
 
 
 #: Scorers by their `net.score` config value.
@@ -303,3 +312,15 @@ def select(scores: Tensor, rule: SelectRule, *, tau: float | Tensor = 1.0,
         weights, loc = gumbel_straight_through(exact, tau, noise)
     log_prob = log_alpha.gather(1, loc.unsqueeze(1)).squeeze(1)  # log p(s_t | a)
     return Selection(weights, alpha, loc, log_prob, entropy)
+
+
+def context(weights: Tensor, values: Tensor, rows: Tensor | None = None) -> Tensor:
+    """z_t = Σ_i w_ti a_i (Eq. 6): weights (b, L) over the annotations (b, L, D), or with
+    `rows` (b,) over rows rows[c] of (N, L, D) (the native kernel, for a frozen grid) ->
+    (b, D) in the annotations' dtype."""
+    if rows is not None:
+        if native.usable(values) and not values.requires_grad:
+            return native.NativeContext.apply(weights, values, rows)
+        values = values.index_select(0, rows)
+    w = weights.to(values.dtype)  # α is float32 (softmax), a_i may be bf16
+    return torch.bmm(w.unsqueeze(1), values).squeeze(1)

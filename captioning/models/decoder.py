@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,34 +45,24 @@ from captioning.models.attention import (
     SelectRule,
     WeightRule,
     build_scorer,
+    context,
     select,
 )
+from captioning.models.fast_path import FastPath
 from captioning.models.packing import PackedSteps, StepTrace
-from captioning.models.pass_grads import PassGradient, RecurrentProduct, autocast_dtype
-from captioning.models.repeats import per_distinct_row
+from captioning.models.pass_grads import (
+    PassGradient,
+    RecurrentProduct,
+    autocast_dtype,
+    lstm_pass_weights,
+)
+from captioning.models.repeats import per_distinct_row, repeated_rows
+from captioning.models.state import DecoderState, Memory
 
 AttentionKind = Literal["soft", "hard"]
 SemiSampling = Literal["image", "batch"]
 SemiSamplingGrad = Literal["paper", "detached"]
 HardEstimator = Literal["reinforce", "gumbel"]
-FastPath = Literal["off", "native", "compile", "graphs"]
-# auto: graphs on CUDA (soft attention), native on the CPU
-FastPathSetting = Literal["auto", "off", "native", "compile", "graphs"]
-
-
-class Memory(NamedTuple):
-    """What the decoder attends over; fixed for a caption, never reordered by beam search."""
-
-    values: Tensor  # (B, L, D) annotation vectors a_i
-    keys: Tensor  # (B', L, K) the scorer's keys, e.g. W_a a_i; the first B rows are used
-
-
-class DecoderState(NamedTuple):
-    """Recurrent state. Every field has the batch first, so beam search can reorder it."""
-
-    h: Tensor  # (B, H)
-    c: Tensor  # (B, H)
-    location: Tensor  # (B,) location chosen at the last step (argmax α for soft models)
 
 
 @dataclass
@@ -158,7 +148,10 @@ class AttentionLSTMDecoder(nn.Module):
 
     def init_state(self, memory: Memory) -> DecoderState:
         """c_0 = f_init,c(mean a_i), h_0 = f_init,h(mean a_i) (§3.1.2)."""
-        mean = self.init_trunk(memory.values.mean(dim=1))  # (B, D)
+        mean = memory.values.mean(dim=1)  # (B, D), or (N, D) with rows
+        if memory.rows is not None:
+            mean = mean.index_select(0, memory.rows)
+        mean = self.init_trunk(mean)
         h = torch.tanh(self.init_h(mean))
         c = torch.tanh(self.init_c(mean))
         loc = torch.zeros(mean.size(0), dtype=torch.long, device=mean.device)
@@ -201,17 +194,19 @@ class AttentionLSTMDecoder(nn.Module):
         return "expected" if self.attention_kind == "soft" else self.hard_decode
 
     # -- internals -------------------------------------------------------------------------
-    def _word_gates(self, emb: Tensor) -> Tensor:
+    def _word_gates(self, emb: Tensor, weight: Tensor | None = None) -> Tensor:
         """The LSTM gates' part from the previous word, with both biases: (..., E) -> (..., 4H).
-        Teacher forcing computes it for every step at once, as one large product."""
-        w = self.lstm.weight_ih[:, : emb.size(-1)]  # (4H, E)
+        Teacher forcing computes it for every step at once, as one large product, by its
+        `weight` (4H, E) from `_pass_weights`."""
+        w = self.lstm.weight_ih[:, : emb.size(-1)] if weight is None else weight  # (4H, E)
         return F.linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh)
 
-    def _recurrent_weight(self) -> Tensor:
-        """[W_z | W_hh]^T (D + H, 4H): the gates' part from ẑ_t and h_{t-1}, one product a step.
-        Built once a pass, so that its gradient is summed over the steps before it is split."""
-        E = self.embed.embedding_dim
-        return torch.cat([self.lstm.weight_ih[:, E:], self.lstm.weight_hh], dim=1).t()
+    def _pass_weights(self) -> tuple[Tensor, Tensor]:
+        """The LSTM's word weight (4H, E) and [W_z | W_hh]^T (D + H, 4H), the gates' part from
+        ẑ_t and h_{t-1} in one product a step; built once a pass, so that the latter's gradient
+        is summed over the steps before it is split (`lstm_pass_weights`)."""
+        return lstm_pass_weights(self.lstm.weight_ih, self.lstm.weight_hh,
+                                 self.embed.embedding_dim)
 
     def _advance(
         self,
@@ -225,10 +220,10 @@ class AttentionLSTMDecoder(nn.Module):
         keys_grad: PassGradient | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Selection]:
         """One step from `word_gates` (b, 4H) and the state (b, H): h, c, ẑ_t and the selection.
-        `recurrent`: over `_recurrent_weight()`, made once by a teacher-forced pass; None for one
-        word (decoding), which multiplies by the two weights apart instead of copying them."""
+        `recurrent`: by [W_z | W_hh]^T (`_pass_weights`), made once by a teacher-forced pass;
+        None for one word (decoding), which multiplies by the two weights apart instead."""
         # e_ti = f_att(a_i, h_{t-1}) (Eq. 4)
-        scores = self.attention(memory.keys, h, keys_grad=keys_grad)
+        scores = self.attention(memory.keys, h, keys_grad=keys_grad, rows=memory.rows)
         sel = select(scores, rule, tau=self.tau)  # α_t (Eq. 5) and the weights
         weights = sel.weights
         if use_expected is not None:
@@ -237,8 +232,7 @@ class AttentionLSTMDecoder(nn.Module):
             # these captions; `detached` leaves the scorer to REINFORCE and entropy terms.
             alpha = sel.alpha if self.semi_sampling_grad == "paper" else sel.alpha.detach()
             weights = torch.where(use_expected.unsqueeze(1), alpha, weights)
-        weights = weights.to(memory.values.dtype)  # α is float32 (softmax), a_i may be bf16
-        z = torch.bmm(weights.unsqueeze(1), memory.values).squeeze(1)  # z_t = Σ_i w_ti a_i (Eq. 6)
+        z = context(weights, memory.values, memory.rows)  # z_t = Σ_i w_ti a_i (Eq. 6)
         beta = torch.sigmoid(self.gate(h))  # β_t = σ(f_β(h_{t-1})) (§4.2.1)
         z_hat = beta * z  # (B, D)
         # Eqs. 1-3, the LSTM (nn.LSTMCell's weights and gate order i, f, g, o)
@@ -294,14 +288,13 @@ class AttentionLSTMDecoder(nn.Module):
         perm = None if order == list(range(len(order))) else torch.tensor(
             order, device=captions.device)
         if perm is not None:
-            features = features[perm]
             steps_cpu = [steps_cpu[i] for i in order]
         B, T = captions.size(0), max(steps_cpu, default=0)
         if not T:
             return self._no_words(features, B, rule, semi)
         pk = PackedSteps.of(steps_cpu, rows=order, device=captions.device)
 
-        memory = self.memory(features)
+        memory = self._pass_memory(features, perm)
         state = self.init_state(memory)
         h, c = state.h, state.c
         emb = self.embed(pk.gather(captions[:, :T]))  # (N, E): inputs y_0 .. y_{T-1}, packed
@@ -309,18 +302,19 @@ class AttentionLSTMDecoder(nn.Module):
 
         trace = StepTrace()
         # (b_t, 4H) a step; split: one backward node
-        word_gates = self._word_gates(emb).split(pk.running)
+        word_w, recurrent_w = self._pass_weights()
+        word_gates = self._word_gates(emb, word_w).split(pk.running)
         # Gradients of W and the keys, summed over the steps in one place (models.pass_grads)
-        recurrent = RecurrentProduct(self._recurrent_weight())
+        recurrent = RecurrentProduct(recurrent_w)
         keys, keys_grad = PassGradient.through(memory.keys)
-        mem_t = memory = Memory(memory.values, keys)
+        mem_t = memory = memory._replace(keys=keys)
         ue = use_expected
         for t, active in enumerate(pk.running):  # captions sorted longest first: b_t shrinks
             if active < h.size(0):  # slice only when the batch shrinks (slicing costs backward)
                 h, c = h[:active], c[:active]
                 # The scorer reads the first `active` rows of the keys itself: a sliced keys
                 # tensor would cost a zero-filled (B, L, K) gradient per slice in backward.
-                mem_t = Memory(memory.values[:active], memory.keys)
+                mem_t = memory.first(active)
                 ue = use_expected[:active] if use_expected is not None else None
             h, c, z_hat, sel = self._advance(word_gates[t], h, c, mem_t, rule, recurrent, ue,
                                              keys_grad)
@@ -339,6 +333,27 @@ class AttentionLSTMDecoder(nn.Module):
             out.sampled = ~use_expected if perm is None else torch.empty_like(
                 use_expected).index_copy_(0, perm, ~use_expected)
         return out
+
+    def _pass_memory(self, features: Tensor, perm: Tensor | None) -> Memory:
+        """The memory of a teacher-forced pass whose captions run in `perm`'s order (None: the
+        batch's). On the native path, for a grid without gradient: one row per distinct image
+        (`captioning.models.repeats`), read by its captions through `rows`, so that neither the
+        grid nor its keys is copied per caption and each image's keys get one gradient row.
+        Else `memory` of the reordered batch."""
+        if (self.fast_path != "native" or features.device.type != "cpu"
+                or (features.requires_grad and torch.is_grad_enabled())):
+            return self.memory(features if perm is None else features[perm])
+        found = repeated_rows(features)
+        if found is None:
+            rows = torch.arange(features.size(0))
+        else:
+            features, rows = features.index_select(0, found[0]), found[1]
+        if perm is not None:
+            rows = rows.index_select(0, perm)
+        dtype = autocast_dtype(features)  # cast once, for the keys and every step's context
+        if dtype is not None:
+            features = features.to(dtype)
+        return Memory(features, self.attention.project(features), rows)
 
     def _no_words(self, features: Tensor, B: int, rule: SelectRule, semi: bool
                   ) -> DecoderOutput:
@@ -387,8 +402,9 @@ class AttentionLSTMDecoder(nn.Module):
         h, c = state.h, state.c
         emb = self.embed(tokens)  # (B, T, E)
         trace = StepTrace()
-        word_gates = self._word_gates(emb).unbind(1)  # T x (B, 4H)
-        recurrent = RecurrentProduct(self._recurrent_weight(), defer=False)  # compiled
+        word_w, recurrent_w = self._pass_weights()
+        word_gates = self._word_gates(emb, word_w).unbind(1)  # T x (B, 4H)
+        recurrent = RecurrentProduct(recurrent_w, defer=False)  # compiled
         for t in range(tokens.size(1)):
             h, c, z_hat, sel = self._advance(word_gates[t], h, c, memory, rule, recurrent,
                                              use_expected)
@@ -402,22 +418,6 @@ class AttentionLSTMDecoder(nn.Module):
             return logits, alpha, None, None
         return (logits, alpha, torch.where(mask, torch.stack(trace.log_ps, 1), 0.0),
                 torch.where(mask, torch.stack(trace.ents, 1), 0.0))
-
-
-def resolve_fast_path(setting: str, device: torch.device, attention: str = "soft") -> FastPath:
-    """The fast path for a device: `auto` is `graphs` for soft attention on CUDA and `native`
-    on the CPU, where each was measured faster with soft attention (docs/benchmarks.md; on the
-    CPU hard attention scores by the same kernel), and `off` elsewhere (hard attention's
-    sampled passes were not measured on a GPU). `native` is a CPU kernel: `off` on other
-    devices. The others stand as given."""
-    if setting == "auto":
-        if device.type == "cpu":
-            return "native"
-        return "graphs" if device.type == "cuda" and attention == "soft" else "off"
-    check_choice("fast_path", setting, FastPathSetting)
-    if setting == "native" and device.type != "cpu":
-        return "off"
-    return setting  # type: ignore[return-value]
 
 
 def _check_settings(*, attention: str, hard_decode: str, semi_sampling: str,

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from captioning.models.decoder import DecoderState, Memory
+from captioning.models.state import DecoderState, Memory
 from captioning.vocab import Vocabulary
 
 NEG_INF = float("-inf")
@@ -177,8 +177,8 @@ def _start(decoder: StepDecoder, features: Tensor, k: int) -> tuple[Memory, Deco
     state = decoder.init_state(memory)
     if k == 1:
         return memory, state
-    return (type(memory)(*(m.repeat_interleave(k, dim=0) for m in memory)),
-            type(state)(*(x.repeat_interleave(k, dim=0) for x in state)))
+    rows = torch.arange(features.size(0), device=features.device).repeat_interleave(k)
+    return memory.select(rows), type(state)(*(x.repeat_interleave(k, dim=0) for x in state))
 
 
 def _sample_loop(decoder: StepDecoder, memory: Memory, state: DecoderState, *,
@@ -363,7 +363,7 @@ def beam_search(
             keep_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)
             alive, beam_scores = alive[keep], beam_scores[keep]
             hist_tok, hist_alpha, hist_loc = hist_tok[keep], hist_alpha[keep], hist_loc[keep]
-            memory = type(memory)(*(m.index_select(0, keep_rows) for m in memory))
+            memory = memory.select(keep_rows)
             state = type(state)(*(x.index_select(0, keep_rows) for x in state))
             tokens = tokens.index_select(0, keep_rows)
 

@@ -102,7 +102,9 @@ class PassGradient:
             x, g = torch.cat(self._inputs), torch.cat(self._grads)
             if x.dtype != g.dtype or x.dtype == torch.float16:
                 x, g = x.float(), g.float()
-            product = x.t() @ g
+            # formed as (g^T x)^T: in the layout of the parameters it is cut from, (out, in), so
+            # that cutting it copies whole rows (`lstm_pass_weights`)
+            product = (g.t() @ x).t()
             total = product if total is None else total + product
             self._inputs, self._grads = [], []
         return None if total is None else total.to(self.dtype)
@@ -141,3 +143,38 @@ class RecurrentProduct:
         if self.grad is None:
             return torch.addmm(bias, x, self.weight)
         return _Step.apply(bias, x, self.weight, self.grad)
+
+
+class _LSTMPassWeights(torch.autograd.Function):
+    """nn.LSTMCell's weights as a pass uses them; the backward writes each parameter's gradient
+    once (slicing and concatenating them would zero-fill a (4H, E + D) gradient per slice, copy
+    transposed parts into it and add the two)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight_ih: Tensor, weight_hh: Tensor,  # type: ignore[override]
+                E: int) -> tuple[Tensor, Tensor]:
+        ctx.E = E
+        # (4H, E), a copy: the word gates' product then gives its gradient in this layout too
+        word = weight_ih[:, :E].contiguous()
+        recurrent = torch.cat([weight_ih[:, E:], weight_hh], dim=1).t()  # (D + H, 4H)
+        return word, recurrent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_word: Tensor, g_recurrent: Tensor  # type: ignore[override]
+                 ) -> tuple[Tensor, Tensor, None]:
+        E = ctx.E
+        rec = g_recurrent.t()  # (4H, D + H)
+        H = rec.size(0) // 4
+        D = rec.size(1) - H
+        grad_ih = rec.new_empty(rec.size(0), E + D)
+        grad_ih[:, :E] = g_word
+        grad_ih[:, E:] = rec[:, :D]
+        return grad_ih, rec[:, D:].contiguous(), None
+
+
+def lstm_pass_weights(weight_ih: Tensor, weight_hh: Tensor, E: int) -> tuple[Tensor, Tensor]:
+    """(the word part W_y (4H, E), [W_z | W_hh]^T (D + H, 4H)) of nn.LSTMCell's weight_ih
+    (4H, E + D) and weight_hh (4H, H), made once a pass: the gates' part from the previous
+    word, and the one product a step takes from ẑ_t and h_{t-1}."""
+    return _LSTMPassWeights.apply(weight_ih, weight_hh, E)

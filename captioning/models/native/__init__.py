@@ -1,22 +1,26 @@
-"""A native CPU kernel for the additive score, compiled on this machine on first use.
+"""Native CPU kernels for attention's per-word work, compiled on this machine on first use.
 
-On the CPU, the additive score w^T tanh(k_i + q) (Eq. 4) is the largest cost of a training step:
-its elementwise work over the (b, L, A) grid at every word is bound by memory traffic.
-`AdditiveScore` (captioning.models.attention) runs it as ATen operations, which pass over a
-(b, L, A) tensor twice forward and five times backward. `additive_score.cpp` makes one pass each
+On the CPU, the additive score w^T tanh(k_i + q) (Eq. 4) is the largest cost of a training step
+after the products: its elementwise work over the (b, L, A) grid at every word is bound by
+memory traffic, as is the context Σ_i w_i a_i (Eq. 6) over the (b, L, D) annotations.
+`AdditiveScore` (captioning.models.attention) runs the score as ATen operations, which pass over
+a (b, L, A) tensor twice forward and five times backward. `attention.cpp` makes one pass each
 way (the sigmoid recomputed in the backward rather than stored), in float32 or bfloat16, and is
-equal to the operations to float32 rounding (`tests/test_native.py`).
+equal to the operations to float32 rounding (`tests/test_native.py`). Both kernels read the grid
+through `rows` (caption c reads row rows[c]), so that the captions of one image read its keys
+and annotations once, from cache, and sum the keys' gradient into one row: the decoder's
+teacher-forced pass keeps one row per distinct image (`Memory.rows`).
 
-`available()` loads it once per process, building it with `torch.utils.cpp_extension` (a C++
-compiler and ninja) where it is not built yet: 10 to 30 s, once per machine, torch version and
-source. It is built for the vector width torch runs at here
+`available()` loads them once per process, building with `torch.utils.cpp_extension` (a C++
+compiler and ninja) where they are not built yet: 10 to 30 s, once per machine, torch version
+and source. They are built for the vector width torch runs at here
 (`torch.backends.cpu.get_cpu_capability()`), into a folder of torch's extension folder
 (`$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions) named by that width and a digest
 of torch's version, the flags and the source, which is copied there: checkouts with the same
 source share one build. Builds are serialised by a file lock that dies with its holder
-(`captioning.locks`), so a build killed halfway never blocks the next. Where the kernel cannot be
-built it logs one warning and returns False; the caller runs the ATen ops. The decoder uses it
-through `fast_path: native`, which `auto` picks on the CPU.
+(`captioning.locks`), so a build killed halfway never blocks the next. Where they cannot be
+built, `available()` logs one warning and returns False; the caller runs the ATen ops. The
+decoder uses them through `fast_path: native`, which `auto` picks on the CPU.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ from captioning.models.pass_grads import PassGradient
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("additive_score.cpp")
-DTYPES = (torch.float32, torch.bfloat16)  # the kernel's keys; others run the ATen ops
+SOURCE = Path(__file__).with_name("attention.cpp")
+DTYPES = (torch.float32, torch.bfloat16)  # the kernels' grids; others run the ATen ops
 
 #: Compiler flags for each vector width torch reports (ATen's own Vectorized types follow them).
 _ARCH_FLAGS = {
@@ -86,7 +90,7 @@ def _ninja_on_path() -> Iterator[None]:
 
 
 def build(build_root: Path | None = None) -> None:
-    """Compile (or find compiled) and load the kernel into `torch.ops.captioning_native`."""
+    """Compile (or find compiled) and load the kernels into `torch.ops.captioning_native`."""
     cpp_log = logging.getLogger("torch.utils.cpp_extension")
     level = cpp_log.level
     cpp_log.setLevel(logging.ERROR)  # its import warns that no CUDA runtime is found
@@ -99,7 +103,7 @@ def build(build_root: Path | None = None) -> None:
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob(f"{name}*.so")):
-        log.info("building the native CPU attention kernel (once per machine, 10 to 30 s)")
+        log.info("building the native CPU attention kernels (once per machine, 10 to 30 s)")
     start = time.monotonic()
     with exclusive_lock(folder) as locked, _ninja_on_path():
         if locked:
@@ -113,51 +117,75 @@ def build(build_root: Path | None = None) -> None:
         cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], build_directory=str(folder),
                            is_python_module=False, verbose=False)
-    log.debug("native additive score loaded in %.1f s (%s)", time.monotonic() - start, folder)
+    log.debug("native attention kernels loaded in %.1f s (%s)", time.monotonic() - start, folder)
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is loaded, building it on the first call; False, with one warning,
-    where it cannot be built."""
-    if hasattr(torch.ops.captioning_native, "additive_score"):
+    """Whether the kernels are loaded, building them on the first call; False, with one
+    warning, where they cannot be built."""
+    if hasattr(torch.ops.captioning_native, "attention_context"):
         return True
     try:
         build()
     except Exception as err:  # no compiler, no ninja, no headers: the ATen ops instead
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        log.warning("the native CPU attention kernel could not be built (%s); training uses the "
+        log.warning("the native CPU attention kernels could not be built (%s); training uses the "
                     "slower ATen operations instead", first)
         return False
     return True
 
 
-def usable(keys: Tensor) -> bool:
-    """Whether the kernel can score these keys (built, on the CPU, float32 or bfloat16)."""
-    return keys.device.type == "cpu" and keys.dtype in DTYPES and available()
+def usable(grid: Tensor) -> bool:
+    """Whether the kernels can read this grid (keys or annotations): built, on the CPU, float32
+    or bfloat16."""
+    return grid.device.type == "cpu" and grid.dtype in DTYPES and available()
 
 
 class NativeAdditiveScore(torch.autograd.Function):
-    """`AdditiveScore` by the native kernel: the same arguments and results."""
+    """`AdditiveScore` by the native kernel: the same arguments and results, and `rows` (b,)
+    where caption c scores keys[rows[c]] (None: keys[c], the first b rows)."""
 
     @staticmethod
     def forward(ctx: Any, keys: Tensor, q: Tensor, w: Tensor,  # type: ignore[override]
-                keys_grad: PassGradient | None) -> Tensor:
+                keys_grad: PassGradient | None, rows: Tensor | None) -> Tensor:
         keys, q, w1 = keys.contiguous(), q.contiguous(), w.reshape(-1)
         ctx.save_for_backward(keys, q, w1)
-        ctx.keys_grad, ctx.w_shape = keys_grad, w.shape
-        return torch.ops.captioning_native.additive_score(keys, q, w1)
+        ctx.keys_grad, ctx.w_shape, ctx.rows = keys_grad, w.shape, rows
+        return torch.ops.captioning_native.additive_score(keys, q, w1, rows)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g: Tensor  # type: ignore[override]
-                 ) -> tuple[Tensor | None, Tensor, Tensor, None]:
+                 ) -> tuple[Tensor | None, Tensor, Tensor, None, None]:
         keys, q, w1 = ctx.saved_tensors
         sink: PassGradient | None = ctx.keys_grad
-        dkeys = keys.new_empty(keys.shape) if sink is None else sink.running_sum(keys.dtype)
+        # rows no caption reads get no gradient: a zero-filled tensor of its own, or the sum
+        dkeys = keys.new_zeros(keys.shape) if sink is None else sink.running_sum(keys.dtype)
         dq, dw = torch.ops.captioning_native.additive_score_backward(
-            g.contiguous(), keys, q, w1, dkeys, sink is not None)
-        if sink is not None:
-            return None, dq.to(q.dtype), dw.view(ctx.w_shape).to(w1.dtype), None
-        dkeys[q.size(0):].zero_()  # rows past the batch's running captions
-        return dkeys, dq.to(q.dtype), dw.view(ctx.w_shape).to(w1.dtype), None
+            g.contiguous(), keys, q, w1, ctx.rows, dkeys)
+        dw = dw.view(ctx.w_shape).to(w1.dtype)
+        return (None if sink is not None else dkeys), dq.to(q.dtype), dw, None, None
+
+
+class NativeContext(torch.autograd.Function):
+    """z_c = Σ_i w_ci a_{rows[c], i} (Eq. 6): weights (b, L) and annotations (N, L, D) that take
+    no gradient (a frozen grid) -> (b, D) in the annotations' dtype; the gradient of the
+    weights only."""
+
+    @staticmethod
+    def forward(ctx: Any, weights: Tensor, values: Tensor,  # type: ignore[override]
+                rows: Tensor | None) -> Tensor:
+        if values.requires_grad:
+            raise ValueError("NativeContext gives no gradient of the annotations")
+        values = values.contiguous()
+        ctx.save_for_backward(values)
+        ctx.rows, ctx.dtype = rows, weights.dtype
+        return torch.ops.captioning_native.attention_context(weights, values, rows)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dz: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        (values,) = ctx.saved_tensors
+        dw = torch.ops.captioning_native.attention_context_backward(dz, values, ctx.rows)
+        return dw.to(ctx.dtype), None, None

@@ -1,0 +1,433 @@
+// Attention's two per-word operations over the annotation grid, forward and backward, each in
+// one pass: captioning/models/native/__init__.py builds this file and says why.
+//
+// Captions read the grid through `rows`: caption c reads row rows[c] of keys (N, L, A) and
+// values (N, L, D); without `rows`, caption c reads row c. Captions of one image share one row
+// (a batch of five captions an image, or one image's samples), so each row is read once for all
+// of its captions, from cache, however many there are.
+//
+// The additive score e = w^T tanh(k + q) (Xu et al. 2015, Eq. 4), q (b, A), w (A), keys in
+// float32 or bfloat16, arithmetic in float32. tanh is taken as 2 s - 1 with
+// s = sigmoid(2 (k + q)), as AdditiveScore does:
+//   forward   e_cl = 2 sum_a w_a s_cla - sum_a w_a
+//   backward  u_cla = g_cl (1 - t_cla^2) w_a = 4 g_cl s (1 - s) w_a
+//             dkeys[rows[c], l] += u_cl  (added into the pass's running sum),
+//             dq_c = sum_l u_cl,  dw = sum_cl g_cl t_cl
+// s is recomputed in the backward instead of stored: one read of the keys costs less than a
+// write and a read of a (b, L, A) tensor.
+//
+// The context z_c = sum_l w_cl v[rows[c], l] (Eq. 6), weights (b, L) in float32, values in
+// float32 or bfloat16 (z in the values' dtype), and its backward dw_cl = dz_c . v[rows[c], l]
+// (the values themselves take no gradient here: a frozen grid).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kChunk = 2 * Vec::size();  // floats per step: one Vectorized<BFloat16>
+constexpr int64_t kGrain = 16;               // grid rows (row, l) per task
+constexpr int64_t kCols = 64;                // value columns per context task
+
+// 2 * Vec::size() values of T as two float vectors, and back
+inline void load2(const float* p, Vec& lo, Vec& hi) {
+  lo = Vec::loadu(p);
+  hi = Vec::loadu(p + Vec::size());
+}
+inline void load2(const at::BFloat16* p, Vec& lo, Vec& hi) {
+  at::vec::load_to_float<at::BFloat16>(p, lo, hi);
+}
+inline void store2(float* p, const Vec& lo, const Vec& hi) {
+  lo.store(p);
+  hi.store(p + Vec::size());
+}
+inline void store2(at::BFloat16* p, const Vec& lo, const Vec& hi) {
+  at::vec::convert_from_float<at::BFloat16>(lo, hi).store(p);
+}
+
+inline Vec sigmoid2(const Vec& x) {  // sigmoid(2x)
+  return Vec(1.f) / (Vec(1.f) + (x * Vec(-2.f)).exp_u20());
+}
+inline float sigmoid2(float x) { return 1.f / (1.f + std::exp(-2.f * x)); }
+
+inline float sum_all(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+// The captions grouped by the grid row they read: group j reads row[j] and holds the captions
+// order[start[j]] .. order[start[j + 1] - 1], in increasing order. Rows no caption reads have
+// no group.
+struct Groups {
+  std::vector<int64_t> order, start, row;
+  int64_t largest = 0;
+  int64_t size() const { return static_cast<int64_t>(row.size()); }
+};
+
+Groups group_by_row(const std::optional<at::Tensor>& rows, int64_t b, int64_t n_rows) {
+  std::vector<int64_t> of(b);
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK(rows->dim() == 1 && rows->size(0) == b && rows->scalar_type() == at::kLong &&
+                rows->device().is_cpu(), "rows must be (b,) int64 on the CPU, b = ", b);
+    const at::Tensor r = rows->contiguous();
+    const int64_t* p = r.const_data_ptr<int64_t>();
+    for (int64_t c = 0; c < b; ++c) {
+      TORCH_CHECK(p[c] >= 0 && p[c] < n_rows, "rows[", c, "] = ", p[c], " is not a row of ",
+                  n_rows);
+      of[c] = p[c];
+    }
+  } else {
+    TORCH_CHECK(b <= n_rows, b, " captions read the first rows of only ", n_rows);
+    for (int64_t c = 0; c < b; ++c) of[c] = c;
+  }
+  std::vector<int64_t> count(n_rows, 0), next(n_rows, 0);
+  for (int64_t c = 0; c < b; ++c) ++count[of[c]];
+  Groups g;
+  int64_t offset = 0;
+  for (int64_t u = 0; u < n_rows; ++u) {
+    if (count[u] == 0) continue;
+    g.row.push_back(u);
+    g.start.push_back(offset);
+    next[u] = offset;
+    offset += count[u];
+    g.largest = std::max(g.largest, count[u]);
+  }
+  g.start.push_back(offset);
+  g.order.resize(b);
+  for (int64_t c = 0; c < b; ++c) g.order[next[of[c]]++] = c;
+  return g;
+}
+
+// ---- the additive score ---------------------------------------------------------------------
+
+template <typename T>
+void score_forward(const T* K, const float* Q, const float* W, float w_sum, T* E,
+                   const Groups& G, int64_t L, int64_t A) {
+  const int64_t body = A - A % kChunk;
+  at::parallel_for(0, G.size() * L, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t j = task / L, l = task % L;
+      const T* k = K + (G.row[j] * L + l) * A;
+      for (int64_t p = G.start[j]; p < G.start[j + 1]; ++p) {
+        const int64_t c = G.order[p];
+        const float* q = Q + c * A;
+        Vec acc(0.f);
+        for (int64_t a = 0; a < body; a += kChunk) {
+          Vec k0, k1;
+          load2(k + a, k0, k1);
+          acc = at::vec::fmadd(Vec::loadu(W + a), sigmoid2(k0 + Vec::loadu(q + a)), acc);
+          acc = at::vec::fmadd(Vec::loadu(W + a + Vec::size()),
+                               sigmoid2(k1 + Vec::loadu(q + a + Vec::size())), acc);
+        }
+        float sum = sum_all(acc);
+        for (int64_t a = body; a < A; ++a) {
+          sum += W[a] * sigmoid2(static_cast<float>(k[a]) + q[a]);
+        }
+        E[c * L + l] = static_cast<T>(2.f * sum - w_sum);
+      }
+    }
+  });
+}
+
+// one caption's backward on float vectors: u w into dk, dq; g t into dw
+inline void score_backward_vec(const Vec& k, const Vec& q, const Vec& w, const Vec& g,
+                               const Vec& g4, Vec& dk, float* dq, float* dw) {
+  const Vec s = sigmoid2(k + q);
+  const Vec uw = g4 * s * (Vec(1.f) - s) * w;
+  dk = dk + uw;
+  (Vec::loadu(dq) + uw).store(dq);
+  at::vec::fmadd(g, s + s - Vec(1.f), Vec::loadu(dw)).store(dw);
+}
+
+// The grid rows (row, l) of the groups are cut into `parts` fixed ranges, each summing dq and
+// dw into its own buffer of `partial` (parts × (b·A + A)): no buffer depends on which thread
+// runs a range. A grid row read by several captions sums their gradients in float32 first,
+// then adds them into dkeys once.
+template <typename T>
+void score_backward(const float* Gup, const T* K, const float* Q, const float* W, T* DK,
+                    float* partial, int64_t parts, const Groups& G, int64_t b, int64_t L,
+                    int64_t A) {
+  const int64_t body = A - A % kChunk;
+  const int64_t tasks = G.size() * L, per_part = (tasks + parts - 1) / parts;
+  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> dkf(A);
+    for (int64_t part = first; part < last; ++part) {
+      float* dq_all = partial + part * (b * A + A);
+      float* dw = dq_all + b * A;
+      const int64_t end = std::min(tasks, (part + 1) * per_part);
+      for (int64_t task = part * per_part; task < end; ++task) {
+        const int64_t j = task / L, l = task % L;
+        const T* k = K + (G.row[j] * L + l) * A;
+        T* dk = DK + (G.row[j] * L + l) * A;
+        const int64_t* captions = G.order.data() + G.start[j];
+        const int64_t count = G.start[j + 1] - G.start[j];
+        if (count == 1) {  // one caption: its g broadcast once for the row
+          const int64_t c = captions[0];
+          const float* q = Q + c * A;
+          float* dq = dq_all + c * A;
+          const Vec g(Gup[c * L + l]), g4(4.f * Gup[c * L + l]);
+          for (int64_t a = 0; a < body; a += kChunk) {
+            const int64_t h = a + Vec::size();
+            Vec k0, k1, d0, d1;
+            load2(k + a, k0, k1);
+            load2(dk + a, d0, d1);
+            score_backward_vec(k0, Vec::loadu(q + a), Vec::loadu(W + a), g, g4, d0, dq + a,
+                               dw + a);
+            score_backward_vec(k1, Vec::loadu(q + h), Vec::loadu(W + h), g, g4, d1, dq + h,
+                               dw + h);
+            store2(dk + a, d0, d1);
+          }
+          for (int64_t a = body; a < A; ++a) {
+            const float s = sigmoid2(static_cast<float>(k[a]) + q[a]);
+            const float uw = 4.f * Gup[c * L + l] * s * (1.f - s) * W[a];
+            dk[a] = static_cast<T>(static_cast<float>(dk[a]) + uw);
+            dq[a] += uw;
+            dw[a] += Gup[c * L + l] * (2.f * s - 1.f);
+          }
+          continue;
+        }
+        // several captions: the row's gradient summed over them in float32, stored once
+        for (int64_t a = 0; a < body; a += kChunk) {
+          Vec d0, d1;
+          load2(dk + a, d0, d1);
+          store2(dkf.data() + a, d0, d1);
+        }
+        for (int64_t a = body; a < A; ++a) dkf[a] = static_cast<float>(dk[a]);
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t c = captions[i];
+          const float* q = Q + c * A;
+          float* dq = dq_all + c * A;
+          const float gl = Gup[c * L + l];
+          const Vec g(gl), g4(4.f * gl);
+          for (int64_t a = 0; a < body; a += kChunk) {
+            const int64_t h = a + Vec::size();
+            Vec k0, k1, d0 = Vec::loadu(dkf.data() + a), d1 = Vec::loadu(dkf.data() + h);
+            load2(k + a, k0, k1);
+            score_backward_vec(k0, Vec::loadu(q + a), Vec::loadu(W + a), g, g4, d0, dq + a,
+                               dw + a);
+            score_backward_vec(k1, Vec::loadu(q + h), Vec::loadu(W + h), g, g4, d1, dq + h,
+                               dw + h);
+            d0.store(dkf.data() + a);
+            d1.store(dkf.data() + h);
+          }
+          for (int64_t a = body; a < A; ++a) {
+            const float s = sigmoid2(static_cast<float>(k[a]) + q[a]);
+            const float uw = 4.f * gl * s * (1.f - s) * W[a];
+            dkf[a] += uw;
+            dq[a] += uw;
+            dw[a] += gl * (2.f * s - 1.f);
+          }
+        }
+        int64_t a = 0;
+        for (; a < body; a += kChunk) {
+          store2(dk + a, Vec::loadu(dkf.data() + a), Vec::loadu(dkf.data() + a + Vec::size()));
+        }
+        for (; a < A; ++a) dk[a] = static_cast<T>(dkf[a]);
+      }
+    }
+  });
+}
+
+// ---- the context ----------------------------------------------------------------------------
+
+// Each task: one group and kCols columns of the values, summed over the grid for every caption
+// of the group in float32.
+template <typename T>
+void context_forward(const float* Wt, const T* V, T* Z, const Groups& G, int64_t L, int64_t D) {
+  const int64_t chunks = (D + kCols - 1) / kCols;
+  at::parallel_for(0, G.size() * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(G.largest * kCols);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t j = task / chunks, d0 = (task % chunks) * kCols;
+      const int64_t n = std::min(kCols, D - d0), body = n - n % kChunk;
+      const int64_t first = G.start[j], count = G.start[j + 1] - first;
+      std::fill(acc.begin(), acc.begin() + count * kCols, 0.f);
+      for (int64_t l = 0; l < L; ++l) {
+        const T* v = V + (G.row[j] * L + l) * D + d0;
+        for (int64_t i = 0; i < count; ++i) {
+          const float w = Wt[G.order[first + i] * L + l];
+          const Vec wv(w);
+          float* z = acc.data() + i * kCols;
+          for (int64_t d = 0; d < body; d += kChunk) {
+            Vec v0, v1;
+            load2(v + d, v0, v1);
+            at::vec::fmadd(wv, v0, Vec::loadu(z + d)).store(z + d);
+            at::vec::fmadd(wv, v1, Vec::loadu(z + d + Vec::size())).store(z + d + Vec::size());
+          }
+          for (int64_t d = body; d < n; ++d) z[d] += w * static_cast<float>(v[d]);
+        }
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        const float* z = acc.data() + i * kCols;
+        T* out = Z + G.order[first + i] * D + d0;
+        int64_t d = 0;
+        for (; d < body; d += kChunk) {
+          store2(out + d, Vec::loadu(z + d), Vec::loadu(z + d + Vec::size()));
+        }
+        for (; d < n; ++d) out[d] = static_cast<T>(z[d]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void context_backward(const float* DZ, const T* V, float* DW, const Groups& G, int64_t L,
+                      int64_t D) {
+  const int64_t body = D - D % kChunk;
+  at::parallel_for(0, G.size() * L, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t j = task / L, l = task % L;
+      const T* v = V + (G.row[j] * L + l) * D;
+      for (int64_t p = G.start[j]; p < G.start[j + 1]; ++p) {
+        const int64_t c = G.order[p];
+        const float* dz = DZ + c * D;
+        Vec acc0(0.f), acc1(0.f);
+        for (int64_t d = 0; d < body; d += kChunk) {
+          Vec v0, v1;
+          load2(v + d, v0, v1);
+          acc0 = at::vec::fmadd(Vec::loadu(dz + d), v0, acc0);
+          acc1 = at::vec::fmadd(Vec::loadu(dz + d + Vec::size()), v1, acc1);
+        }
+        float sum = sum_all(acc0 + acc1);
+        for (int64_t d = body; d < D; ++d) sum += dz[d] * static_cast<float>(v[d]);
+        DW[c * L + l] = sum;
+      }
+    }
+  });
+}
+
+// ---- checks and entry points ----------------------------------------------------------------
+
+void check_grid(const at::Tensor& grid, const char* name) {
+  TORCH_CHECK(grid.dim() == 3, name, " must be (N, L, width)");
+  TORCH_CHECK(grid.scalar_type() == at::kFloat || grid.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+  TORCH_CHECK(grid.is_contiguous(), name, " must be contiguous");
+}
+
+void check_score(const at::Tensor& keys, const at::Tensor& q, const at::Tensor& w) {
+  check_grid(keys, "keys");
+  TORCH_CHECK(q.dim() == 2 && w.dim() == 1, "q (b, A), w (A)");
+  TORCH_CHECK(q.size(1) == keys.size(2) && w.size(0) == keys.size(2),
+              "shapes do not match: keys ", keys.sizes(), ", q ", q.sizes(), ", w ", w.sizes());
+}
+
+// f(T{}) with T the grid's element type, float or at::BFloat16
+template <typename F>
+void dispatch(const at::Tensor& grid, F f) {
+  if (grid.scalar_type() == at::kFloat) {
+    f(float{});
+  } else {
+    f(at::BFloat16{});
+  }
+}
+
+at::Tensor additive_score(const at::Tensor& keys, const at::Tensor& q, const at::Tensor& w,
+                          const std::optional<at::Tensor>& rows) {
+  check_score(keys, q, w);
+  const int64_t b = q.size(0), L = keys.size(1), A = keys.size(2);
+  const Groups G = group_by_row(rows, b, keys.size(0));
+  const at::Tensor qf = q.to(at::kFloat).contiguous(), wf = w.to(at::kFloat).contiguous();
+  at::Tensor e = at::empty({b, L}, keys.options());
+  const float w_sum = wf.sum().item<float>();
+  dispatch(keys, [&](auto zero) {
+    using T = decltype(zero);
+    score_forward<T>(keys.const_data_ptr<T>(), qf.const_data_ptr<float>(),
+                     wf.const_data_ptr<float>(), w_sum, e.mutable_data_ptr<T>(), G, L, A);
+  });
+  return e;
+}
+
+std::tuple<at::Tensor, at::Tensor> additive_score_backward(
+    const at::Tensor& g, const at::Tensor& keys, const at::Tensor& q, const at::Tensor& w,
+    const std::optional<at::Tensor>& rows, at::Tensor& dkeys) {
+  check_score(keys, q, w);
+  TORCH_CHECK(dkeys.sizes() == keys.sizes() && dkeys.scalar_type() == keys.scalar_type() &&
+              dkeys.is_contiguous(), "dkeys must be contiguous, of the keys' shape and dtype");
+  const int64_t b = q.size(0), L = keys.size(1), A = keys.size(2);
+  TORCH_CHECK(g.dim() == 2 && g.size(0) == b && g.size(1) == L, "g must be (b, L)");
+  const Groups G = group_by_row(rows, b, keys.size(0));
+  const at::Tensor gf = g.to(at::kFloat).contiguous(), qf = q.to(at::kFloat).contiguous(),
+                   wf = w.to(at::kFloat).contiguous();
+  // one range per thread, fewer where there are few grid rows (each at least kGrain of them)
+  const int64_t parts = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), G.size() * L / kGrain));
+  std::vector<float> partial(parts * (b * A + A), 0.f);
+  dispatch(keys, [&](auto zero) {
+    using T = decltype(zero);
+    score_backward<T>(gf.const_data_ptr<float>(), keys.const_data_ptr<T>(),
+                      qf.const_data_ptr<float>(), wf.const_data_ptr<float>(),
+                      dkeys.mutable_data_ptr<T>(), partial.data(), parts, G, b, L, A);
+  });
+  at::Tensor dq = at::zeros({b, A}, qf.options()), dw = at::zeros({A}, wf.options());
+  float* dq_p = dq.mutable_data_ptr<float>();
+  float* dw_p = dw.mutable_data_ptr<float>();
+  for (int64_t t = 0; t < parts; ++t) {
+    const float* part = partial.data() + t * (b * A + A);
+    for (int64_t j = 0; j < b * A; ++j) dq_p[j] += part[j];
+    for (int64_t j = 0; j < A; ++j) dw_p[j] += part[b * A + j];
+  }
+  return {dq, dw};
+}
+
+void check_context(const at::Tensor& per_caption, const at::Tensor& values, int64_t width) {
+  check_grid(values, "values");
+  TORCH_CHECK(per_caption.dim() == 2 && per_caption.size(1) == width,
+              "shapes do not match: ", per_caption.sizes(), " against values ", values.sizes());
+}
+
+at::Tensor attention_context(const at::Tensor& weights, const at::Tensor& values,
+                             const std::optional<at::Tensor>& rows) {
+  check_context(weights, values, values.size(1));
+  const int64_t b = weights.size(0), L = values.size(1), D = values.size(2);
+  const Groups G = group_by_row(rows, b, values.size(0));
+  const at::Tensor wf = weights.to(at::kFloat).contiguous();
+  at::Tensor z = at::empty({b, D}, values.options());
+  dispatch(values, [&](auto zero) {
+    using T = decltype(zero);
+    context_forward<T>(wf.const_data_ptr<float>(), values.const_data_ptr<T>(),
+                       z.mutable_data_ptr<T>(), G, L, D);
+  });
+  return z;
+}
+
+at::Tensor attention_context_backward(const at::Tensor& dz, const at::Tensor& values,
+                                      const std::optional<at::Tensor>& rows) {
+  check_context(dz, values, values.size(2));
+  const int64_t b = dz.size(0), L = values.size(1), D = values.size(2);
+  const Groups G = group_by_row(rows, b, values.size(0));
+  const at::Tensor dzf = dz.to(at::kFloat).contiguous();
+  at::Tensor dw = at::empty({b, L}, dzf.options());
+  dispatch(values, [&](auto zero) {
+    using T = decltype(zero);
+    context_backward<T>(dzf.const_data_ptr<float>(), values.const_data_ptr<T>(),
+                        dw.mutable_data_ptr<float>(), G, L, D);
+  });
+  return dw;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(captioning_native, m) {
+  m.def("additive_score(Tensor keys, Tensor q, Tensor w, Tensor? rows) -> Tensor");
+  m.def("additive_score_backward(Tensor g, Tensor keys, Tensor q, Tensor w, Tensor? rows, "
+        "Tensor(a!) dkeys) -> (Tensor, Tensor)");
+  m.def("attention_context(Tensor weights, Tensor values, Tensor? rows) -> Tensor");
+  m.def("attention_context_backward(Tensor dz, Tensor values, Tensor? rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(captioning_native, CPU, m) {
+  m.impl("additive_score", &additive_score);
+  m.impl("additive_score_backward", &additive_score_backward);
+  m.impl("attention_context", &attention_context);
+  m.impl("attention_context_backward", &attention_context_backward);
+}
