@@ -24,17 +24,19 @@ SHAPES_PARAMS: dict[str, int] = {"num_train": 24, "num_val": 8, "num_test": 8,
                                  "image_size": 64, "seed": 0}
 
 
-def decoder_and_batch(dims: tuple[int, int, int, int], dropout: float, *, grouped: bool = False
+def decoder_and_batch(dims: tuple[int, int, int, int], dropout: float, *, grouped: bool = False,
+                      **settings: Any
                       ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
-    """A decoder (B, L, D, H: batch, locations, feature and hidden width; vocabulary 40) from
-    seed 0 and a random batch: (decoder, features (B, L, D), captions (B, 15), lengths (B,),
-    the batch's generator, for more draws). `grouped`: caption i shows image i // 5, shuffled."""
+    """A decoder (B, L, D, H: batch, locations, feature and hidden width; vocabulary 40; more
+    `settings`) from seed 0 and a random batch: (decoder, features (B, L, D), captions (B, 15),
+    lengths (B,), the batch's generator, for more draws). `grouped`: caption i shows image
+    i // 5, shuffled."""
     from captioning.models.decoder import AttentionLSTMDecoder
 
     B, L, D, H = dims
     torch.manual_seed(0)
     dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=D, embed_dim=H, hidden_dim=H,
-                               attn_dim=H, dropout=dropout)
+                               attn_dim=H, dropout=dropout, **settings)
     g = torch.Generator().manual_seed(2)
     feats = torch.randn(B, L, D, generator=g).relu()
     if grouped:

@@ -22,6 +22,7 @@ from captioning.models.attention import AdditiveAttention, AdditiveScore
 from captioning.models.decoder import AttentionLSTMDecoder
 from captioning.models.fast_path import resolve_fast_path
 from captioning.models.pass_grads import PassGradient
+from captioning.models.state import Memory
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,8 +46,9 @@ def score_and_grads(fn: str, keys: Tensor, q: Tensor, w: Tensor, g: Tensor, *,
         e = torch.tanh(read + qq.unsqueeze(1)) @ ww[0]
     elif fn == "native":
         e = native.NativeAdditiveScore.apply(kin, qq, ww, sink, rows)
-    else:
-        e = AdditiveScore.apply(kin, qq, ww, sink)
+    else:  # the ATen ops, on each caption's keys gathered
+        e = AdditiveScore.apply(kin if rows is None else kin[rows], qq, ww,
+                                sink if rows is None else None)
     e.backward(g)
     return e.detach(), k.grad, qq.grad, ww.grad
 
@@ -70,12 +72,15 @@ def test_native_score_equals_the_formula_and_its_gradients(A: int, b: int, summe
 
 
 @pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("A", [64, 37], ids=["vector-width", "with-a-tail"])
 @pytest.mark.parametrize("summed", [False, True], ids=["own-gradient", "summed-over-the-pass"])
-def test_captions_sharing_key_rows_score_as_the_formula(A: int, summed: bool) -> None:
+def test_captions_sharing_key_rows_score_as_the_formula(A: int, summed: bool,
+                                                        dtype: torch.dtype) -> None:
     """Captions reading keys through `rows` (three of one image, one alone, one row unread):
     scores and gradients equal to the formula over the gathered keys, in float64, to 1e-5; each
-    row's gradient is the sum over its captions, the unread row gets none."""
+    row's gradient is the sum over its captions, the unread row gets none. In bf16 keys, as
+    near the formula as the ATen ops on each caption's keys."""
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(4, 49, A, generator=g) * 2
     rows = torch.tensor([2, 0, 2, 3, 2])
@@ -83,11 +88,31 @@ def test_captions_sharing_key_rows_score_as_the_formula(A: int, summed: bool) ->
     up = torch.randn(5, 49, generator=g)
     ref = score_and_grads("formula", *(x.double() for x in (keys, q, w, up)), summed=False,
                           rows=rows)
-    got = score_and_grads("native", keys, q, w, up, summed=summed, rows=rows)
-    for r, x, name in zip(ref, got, ("scores", "keys grad", "query grad", "w grad")):
-        assert x.dtype == torch.float32 and x.shape == r.shape, name
-        torch.testing.assert_close(x.double(), r, rtol=1e-5, atol=1e-5, msg=name)
+    low = [x.to(dtype) for x in (keys, q)]
+    got = score_and_grads("native", *low, w, up, summed=summed, rows=rows)
+    names = ("scores", "keys grad", "query grad", "w grad")
+    if dtype == torch.float32:
+        for r, x, name in zip(ref, got, names):
+            assert x.dtype == torch.float32 and x.shape == r.shape, name
+            torch.testing.assert_close(x.double(), r, rtol=1e-5, atol=1e-5, msg=name)
+    else:
+        aten = score_and_grads("ops", *low, w, up, summed=False, rows=rows)
+        for r, x, y, name in zip(ref, got, aten, names):
+            err_ours, err_aten = ((t.double() - r).abs().max().item() for t in (x, y))
+            assert x.dtype == y.dtype and err_ours <= 1.1 * err_aten + 1e-6, (name, err_ours,
+                                                                             err_aten)
     assert bool(got[1][1].eq(0).all()) and bool(got[1][2].ne(0).any())
+
+
+@pytest.mark.usefixtures("built")
+def test_a_nan_key_gives_a_nan_score_wherever_it_lies() -> None:
+    """A NaN in the keys reaches the scores (and so the loss's finite check), in a vector body
+    or in a tail: the kernel's faster exponential clamps its argument, NaN included."""
+    keys, q, w = torch.randn(2, 3, 37), torch.randn(2, 37), torch.randn(1, 37)
+    keys[0, 1, 5] = float("nan")  # in the first vector chunk
+    keys[1, 2, 36] = float("nan")  # in the tail
+    e = native.NativeAdditiveScore.apply(keys, q, w, None, None)
+    assert e.isnan().nonzero().tolist() == [[0, 1], [1, 2]]
 
 
 @pytest.mark.usefixtures("built")
@@ -185,22 +210,28 @@ def test_native_score_in_bf16_is_as_close_to_float32_as_the_aten_ops() -> None:
             assert err_ours <= 1.1 * err_aten + 1e-6, (name, err_ours, err_aten)
 
 
-@pytest.mark.parametrize("dims,dropout,batch", [
-    ((10, 49, 24, 20), 0.5, "distinct"), ((10, 49, 24, 20), 0.5, "by-image"),
-    ((10, 49, 24, 20), 0.5, "grid-with-gradient"), ((32, 196, 512, 512), 0.0, "by-image")],
-    ids=["small-dropout", "small-by-image", "small-fine-tuned", "issue17-size-by-image"])
+@pytest.mark.parametrize("dims,dropout,batch,attention", [
+    ((10, 49, 24, 20), 0.5, "distinct", "soft"), ((10, 49, 24, 20), 0.5, "by-image", "soft"),
+    ((10, 49, 24, 20), 0.5, "grid-with-gradient", "soft"),
+    ((10, 49, 24, 20), 0.5, "by-image", "hard"), ((32, 196, 512, 512), 0.0, "by-image", "soft")],
+    ids=["small-dropout", "small-by-image", "small-fine-tuned", "small-hard-by-image",
+         "issue17-size-by-image"])
 @pytest.mark.usefixtures("built")
 def test_decoder_with_the_native_kernel_equals_the_aten_path(
-        dims: tuple[int, int, int, int], dropout: float, batch: str) -> None:
+        dims: tuple[int, int, int, int], dropout: float, batch: str, attention: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """`fast_path: native` gives `off`'s loss to 1e-5 and every gradient, on a fixed batch: of
-    distinct images, of five captions an image (whose keys the native pass projects once per
-    image, each caption reading its image's row), and of a grid that takes a gradient."""
-    dec, feats, caps, lengths, g = decoder_and_batch(dims, dropout,
+    distinct images, of five captions an image (the native pass keeps one row of annotations
+    and keys per image, which its captions read through `rows`), of a grid that takes a
+    gradient (per caption, as `off`), and with hard attention's sampled locations."""
+    dec, feats, caps, lengths, g = decoder_and_batch(dims, dropout, attention=attention,
                                                      grouped=batch == "by-image")
     B = feats.size(0)
     weights = torch.randn(B, int(lengths.max()) - 1, 40, generator=g)  # each logit differently
-    projected: list[int] = []
-    dec.attention.key.register_forward_hook(lambda m, args, out: projected.append(len(args[0])))
+    read: list[tuple[int, int]] = []  # (annotation rows, captions) of each native context
+    apply = native.NativeContext.apply
+    monkeypatch.setattr(native.NativeContext, "apply", staticmethod(
+        lambda w, v, rows: read.append((v.size(0), rows.size(0))) or apply(w, v, rows)))
     runs = []
     for mode in ("off", "native"):
         dec.use_fast_path(mode)  # type: ignore[arg-type]
@@ -221,7 +252,10 @@ def test_decoder_with_the_native_kernel_equals_the_aten_path(
         torch.testing.assert_close(g_native[name], grad, rtol=1e-4, atol=1e-5, msg=name)
     distinct = len(torch.unique(feats.flatten(1), dim=0))
     assert distinct == (-(-B // 5) if batch == "by-image" else B)
-    assert projected[-1] == distinct  # the native pass's keys: once per image
+    if batch == "grid-with-gradient":
+        assert not read  # the kernel gives no gradient of the annotations: the ATen path
+    else:  # every step read the distinct images' rows, the first step all B captions
+        assert read and {n for n, _ in read} == {distinct} and read[0][1] == B
 
 
 @pytest.mark.usefixtures("built")
@@ -307,21 +341,19 @@ def test_a_build_killed_halfway_does_not_block_the_next(tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("built")
-def test_training_loss_is_unchanged_by_the_kernel_under_autocast() -> None:
-    """bf16 autocast, a decoder step: the kernel's loss is as near float32's as the ops'."""
-    torch.manual_seed(0)
-    dec = AttentionLSTMDecoder(vocab_size=40, feature_dim=64, embed_dim=32, hidden_dim=32,
-                               attn_dim=32, dropout=0.0)
-    g = torch.Generator().manual_seed(2)
-    feats = torch.randn(6, 49, 64, generator=g).relu()
-    lengths, caps = torch.full((6,), 9), torch.randint(4, 40, (6, 9), generator=g)
+@pytest.mark.parametrize("grouped", [False, True], ids=["distinct", "by-image"])
+def test_training_loss_is_unchanged_by_the_kernel_under_autocast(grouped: bool) -> None:
+    """bf16 autocast, a decoder step (captions of spread lengths, by image or not): the
+    kernel's loss is as near float32's as the ops'."""
+    dec, feats, caps, lengths, _ = decoder_and_batch((15, 49, 64, 32), 0.0, grouped=grouped)
     losses = {}
     for mode, bf16 in (("off", False), ("off", True), ("native", True)):
         dec.use_fast_path(mode)  # type: ignore[arg-type]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = dec(feats, caps, lengths).logits
-        losses[mode, bf16] = F.cross_entropy(logits[:, :8].flatten(0, 1).float(),
-                                             caps[:, 1:].flatten()).item()
+        mask = torch.arange(logits.size(1)) < (lengths - 1).unsqueeze(1)
+        targets = caps[:, 1:logits.size(1) + 1]
+        losses[mode, bf16] = F.cross_entropy(logits[mask].float(), targets[mask]).item()
     exact = losses["off", False]
     assert abs(losses["native", True] - exact) <= 2 * abs(losses["off", True] - exact) + 1e-3
 
@@ -383,3 +415,16 @@ def test_the_kernel_builds_and_scores_right_at_every_vector_width(capability: st
     """, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "equal" in result.stdout
+
+
+def test_memory_rows_are_taken_and_repeated_as_the_captions_are() -> None:
+    """A memory whose captions read shared rows, cut to its first captions or reordered and
+    repeated (as decoding does), reads what the same memory expanded per caption reads."""
+    values, keys = torch.randn(3, 4, 5), torch.randn(3, 4, 6)
+    rows = torch.tensor([2, 0, 2, 1])
+    shared, expanded = Memory(values, keys, rows), Memory(values[rows], keys[rows])
+    for a, b in ((shared.first(3), expanded.first(3)),
+                 (shared.select(torch.tensor([3, 3, 0])), expanded.select(torch.tensor([3, 3, 0])))):
+        assert a.rows is not None and b.rows is None
+        torch.testing.assert_close(a.values[a.rows], b.values[: len(a.rows)])
+        torch.testing.assert_close(a.keys[a.rows], b.keys[: len(a.rows)])

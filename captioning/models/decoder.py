@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import captioning.models.native as native
 from captioning.choices import check_choice
 from captioning.models.attention import (
     GumbelSchedule,
@@ -171,8 +172,8 @@ class AttentionLSTMDecoder(nn.Module):
         """Teacher forcing over fixed shapes: `compile` (torch.compile, any device), `graphs`
         (torch.compile reduce-overhead: CUDA graphs) or `off` (the shrinking eager loop).
         Lengths are padded up to a multiple of `bucket` steps: one compiled graph per bucket.
-        `native`: the eager loop with the scorer's native CPU kernel (captioning.models.native);
-        `off` where the scorer has none or it cannot be built here."""
+        `native`: the eager loop with attention's native CPU kernels (captioning.models.native);
+        `off` where the scorer has none or they cannot be built here."""
         check_choice("fast_path", mode, FastPath)
         if bucket < 1:
             raise ValueError(f"fast_path bucket must be >= 1, got {bucket}")
@@ -312,8 +313,9 @@ class AttentionLSTMDecoder(nn.Module):
         for t, active in enumerate(pk.running):  # captions sorted longest first: b_t shrinks
             if active < h.size(0):  # slice only when the batch shrinks (slicing costs backward)
                 h, c = h[:active], c[:active]
-                # The scorer reads the first `active` rows of the keys itself: a sliced keys
-                # tensor would cost a zero-filled (B, L, K) gradient per slice in backward.
+                # The scorer reads the keys' first `active` rows (or those of `rows[:active]`)
+                # itself: a sliced keys tensor would cost a zero-filled (B, L, K) gradient per
+                # slice in backward.
                 mem_t = memory.first(active)
                 ue = use_expected[:active] if use_expected is not None else None
             h, c, z_hat, sel = self._advance(word_gates[t], h, c, mem_t, rule, recurrent, ue,
@@ -340,7 +342,9 @@ class AttentionLSTMDecoder(nn.Module):
         (`captioning.models.repeats`), read by its captions through `rows`, so that neither the
         grid nor its keys is copied per caption and each image's keys get one gradient row.
         Else `memory` of the reordered batch."""
+        dtype = autocast_dtype(features)  # cast once, for the keys and every step's context
         if (self.fast_path != "native" or features.device.type != "cpu"
+                or (dtype or features.dtype) not in native.DTYPES
                 or (features.requires_grad and torch.is_grad_enabled())):
             return self.memory(features if perm is None else features[perm])
         found = repeated_rows(features)
@@ -350,7 +354,6 @@ class AttentionLSTMDecoder(nn.Module):
             features, rows = features.index_select(0, found[0]), found[1]
         if perm is not None:
             rows = rows.index_select(0, perm)
-        dtype = autocast_dtype(features)  # cast once, for the keys and every step's context
         if dtype is not None:
             features = features.to(dtype)
         return Memory(features, self.attention.project(features), rows)

@@ -5,8 +5,9 @@ after the products: its elementwise work over the (b, L, A) grid at every word i
 memory traffic, as is the context Σ_i w_i a_i (Eq. 6) over the (b, L, D) annotations.
 `AdditiveScore` (captioning.models.attention) runs the score as ATen operations, which pass over
 a (b, L, A) tensor twice forward and five times backward. `attention.cpp` makes one pass each
-way (the sigmoid recomputed in the backward rather than stored), in float32 or bfloat16, and is
-equal to the operations to float32 rounding (`tests/test_native.py`). Both kernels read the grid
+way (the sigmoid recomputed in the backward rather than stored, its exponential by ATen's
+faster `exp_u20`), in float32 or bfloat16, and equals the formula to 1e-5
+(`tests/test_native.py`). Both kernels read the grid
 through `rows` (caption c reads row rows[c]), so that the captions of one image read its keys
 and annotations once, from cache, and sum the keys' gradient into one row: the decoder's
 teacher-forced pass keeps one row per distinct image (`Memory.rows`).
@@ -160,7 +161,7 @@ class NativeAdditiveScore(torch.autograd.Function):
                  ) -> tuple[Tensor | None, Tensor, Tensor, None, None]:
         keys, q, w1 = ctx.saved_tensors
         sink: PassGradient | None = ctx.keys_grad
-        # rows no caption reads get no gradient: a zero-filled tensor of its own, or the sum
+        # rows no caption reads get no gradient: a zero-filled tensor, or the pass's sum
         dkeys = keys.new_zeros(keys.shape) if sink is None else sink.running_sum(keys.dtype)
         dq, dw = torch.ops.captioning_native.additive_score_backward(
             g.contiguous(), keys, q, w1, ctx.rows, dkeys)
