@@ -48,7 +48,7 @@ cached soft training (forward, backward and optimiser, counted by
 batches that a timing round times: every round starts from the same seed); and the achieved
 GFLOP/s of the cached soft row (FLOPs per pair x its mean pairs/s), with its share of the
 matmul rate. `--profile` runs `torch.profiler` over `--profile-steps` cached soft training steps
-and prints the top ops by self CPU time. `--preset NAME` sets a named setting (`PRESETS`); flags
+(and by image, with the `grouped` row) and prints the top ops by self CPU time. `--preset NAME` sets a named setting (`PRESETS`); flags
 given on the command line win.
 
 `--against REV [REV ...]` adds the cached soft row once more per revision (and the by-image
@@ -977,10 +977,11 @@ def run_roofline(base: dict[str, Any], args: argparse.Namespace,
             if roof.get("bf16_matmul_gflops") else None}
 
 
-def run_profile(base: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    log.info("running: profile of cached soft training")
-    spec = {**train_spec(base, args, {"attention": "soft"}, args.profile_steps),
-            "kind": "profile"}
+def run_profile(base: dict[str, Any], args: argparse.Namespace,
+                extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    log.info("running: profile of cached soft training%s", ", by image" if extra else "")
+    spec = {**train_spec(base, args, {"attention": "soft", **(extra or {})},
+                         args.profile_steps), "kind": "profile"}
     return run_worker(spec, args.threads)["profile"]
 
 
@@ -1013,6 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          {"group_by_image": True})
         if args.profile:
             extra["profile"] = run_profile(base, args)
+            if GROUPED in dict(results):
+                extra["profile_grouped"] = run_profile(base, args, {"group_by_image": True})
         if "beam" in rows:
             log.info("running: beam search")
             res = run_worker({**base, "kind": "beam", "attention": "soft", "num_workers": 0,
@@ -1026,6 +1029,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_roofline(args, extra.get("roofline"))
     _print_roofline(args, extra.get("roofline_grouped"), "by image")
     _print_profile(extra.get("profile"))
+    _print_profile(extra.get("profile_grouped"), ", by image")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "machine": describe_machine(args.device, args.threads), "args": vars(args),
@@ -1145,11 +1149,12 @@ def _print_roofline(args: argparse.Namespace, roof: dict[str, Any] | None,
               f"{100 * roof['bf16_share']:.0f}% of it")
 
 
-def _print_profile(rows: list[dict[str, Any]] | None) -> None:
+def _print_profile(rows: list[dict[str, Any]] | None, label: str = "") -> None:
     if not rows:
         return
     cuda = any(r["self_cuda_ms"] for r in rows)
-    print("profile of cached soft training (torch.profiler), top ops by self CPU time, per step:")
+    print(f"profile of cached soft training{label} (torch.profiler), top ops by self CPU time, "
+          "per step:")
     print(f"| {'op':<40} | {'self CPU ms':>11} | {'share':>6} | {'calls':>7} |"
           + (f" {'self CUDA ms':>12} |" if cuda else ""))
     for r in rows:

@@ -12,11 +12,12 @@ from captioning.models.pass_grads import PassGradient, RecurrentProduct, lstm_pa
 ROWS = (5, 5, 4, 2, 1)  # a shrinking batch, as the decoder's: captions end one by one
 
 
-def _unrolled(weight: Tensor, keys: Tensor, bias: Tensor, x0: Tensor, *, defer: bool
-              ) -> Tensor:
+def _unrolled(weight: Tensor, keys: Tensor, bias: Tensor, x0: Tensor, *, defer: bool,
+              onednn: bool = False) -> Tensor:
     """A toy pass: x_{t+1} = tanh(b_t + x_t W + (first rows of the keys) · x_t) on the rows
     still running; the loss also reads W directly, outside the steps."""
-    product = RecurrentProduct(weight, defer=defer)
+    product = RecurrentProduct(weight, defer=defer, onednn=onednn)
+    assert product.onednn == (onednn and defer and torch.backends.mkldnn.is_available())
     keys, _ = PassGradient.through(keys, defer=defer)  # its sum from plain slicing's grads
     x, total = x0, x0.new_zeros(())
     for t, rows in enumerate(ROWS):
@@ -27,14 +28,14 @@ def _unrolled(weight: Tensor, keys: Tensor, bias: Tensor, x0: Tensor, *, defer: 
     return total + weight.square().sum()
 
 
-def _grads(defer: bool, retain: bool = False) -> list[Tensor]:
+def _grads(defer: bool, retain: bool = False, onednn: bool = False) -> list[Tensor]:
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(6, 6, generator=g) / 3).requires_grad_()
     keys = (torch.randn(5, 3, 6, generator=g) / 3).requires_grad_()
     bias = torch.randn(len(ROWS), 5, 6, generator=g).requires_grad_()
     x0 = torch.randn(5, 6, generator=g).requires_grad_()
     params = (weight, keys, bias, x0)
-    loss = _unrolled(weight.t(), keys, bias, x0, defer=defer)  # W a transposed view
+    loss = _unrolled(weight.t(), keys, bias, x0, defer=defer, onednn=onednn)  # W: a .t() view
     loss.backward(retain_graph=retain)
     grads = [p.grad.clone() for p in params]
     if retain:  # a second backward through the retained graph sums afresh
@@ -45,9 +46,11 @@ def _grads(defer: bool, retain: bool = False) -> list[Tensor]:
     return grads
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["aten", "onednn-products"])
 @pytest.mark.parametrize("retain", [False, True], ids=["once", "retained-graph-twice"])
-def test_gradients_equal_plain_autograd(retain: bool) -> None:
-    summed, plain = _grads(True, retain), _grads(False, retain)
+def test_gradients_equal_plain_autograd(retain: bool, onednn: bool) -> None:
+    """Summed over the pass (the steps' products by ATen or by oneDNN) as plain autograd."""
+    summed, plain = _grads(True, retain, onednn), _grads(False, retain)
     assert len(summed) == (8 if retain else 4)
     for a, b in zip(summed, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -306,7 +306,7 @@ class AttentionLSTMDecoder(nn.Module):
         word_w, recurrent_w = self._pass_weights()
         word_gates = self._word_gates(emb, word_w).split(pk.running)
         # Gradients of W and the keys, summed over the steps in one place (models.pass_grads)
-        recurrent = RecurrentProduct(recurrent_w)
+        recurrent = RecurrentProduct(recurrent_w, onednn=self.fast_path == "native")
         keys, keys_grad = PassGradient.through(memory.keys)
         mem_t = memory = memory._replace(keys=keys)
         ue = use_expected

@@ -110,39 +110,62 @@ class PassGradient:
         return None if total is None else total.to(self.dtype)
 
 
+def onednn_usable(weight: Tensor) -> bool:
+    """Whether oneDNN can take a float32 CPU product by `weight` here (autocast off)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and autocast_dtype(weight) is None and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 class _Step(torch.autograd.Function):
     """addmm(bias, x, W) whose backward gives the gradients of bias and x, and hands x and the
-    gate gradient to W's `PassGradient`."""
+    gate gradient to W's `PassGradient`. `onednn`: x W and g W^T by oneDNN, which reads W as
+    it lies (`RecurrentProduct`)."""
 
     @staticmethod
     def forward(ctx: Any, bias: Tensor, x: Tensor, weight: Tensor,  # type: ignore[override]
-                sink: PassGradient) -> Tensor:
+                sink: PassGradient, onednn: bool) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.sink, ctx.dtypes = sink, (bias.dtype, x.dtype)
+        ctx.sink, ctx.dtypes, ctx.onednn = sink, (bias.dtype, x.dtype), onednn
+        if onednn:  # x W + bias, W^T (N, K) as the (out, in) weight
+            return torch.ops.mkldnn._linear_pointwise.binary(
+                x.contiguous(), bias.contiguous(), weight.t(), None, "add")
         return torch.addmm(bias, x, weight)  # under autocast, in its dtype
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: Tensor  # type: ignore[override]
+                 ) -> tuple[Tensor, Tensor, None, None, None]:
         x, weight = ctx.saved_tensors
         ctx.sink.add_product(x, g)
         bias_dtype, x_dtype = ctx.dtypes
-        return g.to(bias_dtype), (g @ weight.t().to(g.dtype)).to(x_dtype), None, None
+        if ctx.onednn:  # g W^T, W (K, N) as the (out, in) weight
+            dx = torch.ops.mkldnn._linear_pointwise(g.contiguous(), weight, None, "none", [], "")
+        else:
+            dx = g @ weight.t().to(g.dtype)
+        return g.to(bias_dtype), dx.to(x_dtype), None, None, None
 
 
 class RecurrentProduct:
     """bias_t + x_t W for every step of one pass (`__call__`), W's gradient formed once as
-    X^T G. `defer` False (a compiled pass) makes it a plain addmm. One per pass."""
+    X^T G. `defer` False (a compiled pass) makes it a plain addmm.
 
-    def __init__(self, weight: Tensor, *, defer: bool = True) -> None:
+    `onednn`: each step's float32 products (x W, and g W^T backward) by oneDNN where it can
+    take them. ATen runs float32 products by MKL's sgemm, which at a step's few rows ran at
+    about half oneDNN's rate on this project's AMD CPU (32 × 1024 × 2048: 1.14 against 0.75
+    ms; at 7 rows, 0.59 against 0.16; docs/benchmarks.md). At a pass's hundreds of rows they
+    ran alike. Equal to float32 rounding. One per pass."""
+
+    def __init__(self, weight: Tensor, *, defer: bool = True, onednn: bool = False) -> None:
         self.weight, self.grad = PassGradient.through(weight, defer=defer,
                                                       dtype=autocast_dtype(weight))
+        self.onednn = onednn and self.grad is not None and onednn_usable(self.weight)
 
     def __call__(self, bias: Tensor, x: Tensor) -> Tensor:
         """bias (b, N) + x (b, K) @ W (K, N)."""
         if self.grad is None:
             return torch.addmm(bias, x, self.weight)
-        return _Step.apply(bias, x, self.weight, self.grad)
+        return _Step.apply(bias, x, self.weight, self.grad, self.onednn)
 
 
 class _LSTMPassWeights(torch.autograd.Function):
