@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from tiny_runs import REPO
 
 
@@ -28,6 +30,35 @@ def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
     # an fp32 run's roofline: the fp32 rate only
     assert "of the matmul rate" in out.stdout and "bf16 matmul" not in out.stdout
     assert data["roofline"]["bf16_matmul_gflops"] is None
+    if torch.backends.mkldnn.is_available():  # the rate: the faster of MKL and oneDNN
+        roof = data["roofline"]
+        assert roof["onednn_matmul_gflops"] > 0 and "by oneDNN" in out.stdout
+        assert roof["rate"] == max(roof["matmul_gflops"], roof["onednn_matmul_gflops"])
+
+
+def test_flops_of_onednn_products_are_counted() -> None:
+    """The native path's recurrent product by oneDNN counts the FLOPs of the addmm it
+    replaces: forward, and the backward's product (the weight's, one product over the pass,
+    is an ATen mm either way)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import benchmark
+
+    from captioning.models.pass_grads import RecurrentProduct
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    counts = []
+    for onednn in (False, True):
+        w = torch.randn(12, 20, requires_grad=True)
+        x, bias = torch.randn(6, 12, requires_grad=True), torch.randn(6, 20)
+        with FlopCounterMode(display=False, custom_mapping=benchmark.onednn_flop_formulas()) as m:
+            product = RecurrentProduct(w, onednn=onednn)
+            assert product.onednn == onednn
+            product(bias, x).sum().backward()
+        counts.append(m.get_total_flops())
+    assert counts[0] == counts[1] == 3 * 2 * 6 * 12 * 20
 
 
 def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
