@@ -42,14 +42,15 @@ data are built by `captioning fit`'s own parser from the project's configs.
 Everything is written to a temporary folder (or --workdir).
 
 `--roofline` adds, after the table: the machine's fp32 matmul rate (a `--matmul-size` square
-`torch.mm`, best of 5, with the benchmark's thread count); the FLOPs per training pair of
-cached soft training (forward, backward and optimiser, counted by
-`torch.utils.flop_counter.FlopCounterMode`, which counts matmul-class ops only, over the very
-batches that a timing round times: every round starts from the same seed); and the achieved
-GFLOP/s of the cached soft row (FLOPs per pair x its mean pairs/s), with its share of the
-matmul rate. `--profile` runs `torch.profiler` over `--profile-steps` cached soft training steps
-(and by image, with the `grouped` row) and prints the top ops by self CPU time. `--preset NAME` sets a named setting (`PRESETS`); flags
-given on the command line win.
+product, best of 5, with the benchmark's thread count: the faster of `torch.mm`, which runs by
+MKL on a CPU, and oneDNN's linear, both printed); the FLOPs per training pair of cached soft
+training (forward, backward and optimiser, counted by `torch.utils.flop_counter.FlopCounterMode`,
+which counts matmul-class ops only, oneDNN's linear added, over the very batches that a timing
+round times: every round starts from the same seed); and the achieved GFLOP/s of the cached
+soft row (FLOPs per pair x its mean pairs/s), with its share of the matmul rate. `--profile`
+runs `torch.profiler` over `--profile-steps` cached soft training steps (and by image, with the
+`grouped` row) and prints the top ops by self CPU time. `--preset NAME` sets a named setting
+(`PRESETS`); flags given on the command line win.
 
 `--against REV [REV ...]` adds the cached soft row once more per revision (and the by-image
 row, when asked for and the revision has it), run by the project's code at that git revision
@@ -540,14 +541,14 @@ def matmul_rate(m: int, k: int, p: int, *, repeats: int = 5, device: str = "cpu"
 
 
 def worker_roofline(spec: dict[str, Any]) -> dict[str, Any]:
-    """The matmul rate (square, and at the decoder's per-word LSTM product), then the FLOPs of
-    the timed steps of one cached training round."""
+    """The matmul rate (square, by torch.mm and, on a CPU, by oneDNN; and at the decoder's
+    per-word LSTM product), then the FLOPs of the timed steps of one cached training round."""
     import torch
 
     n = spec["matmul_size"]
     square = matmul_rate(n, n, n, device=spec["device"])
     onednn = (matmul_rate(n, n, n, onednn=True)["best"] if spec["device"] == "cpu"
-              and torch.backends.mkldnn.is_available() else None)
+              and onednn_flop_formulas() and torch.backends.mkldnn.is_available() else None)
     # The LSTM gates from [ẑ_t, h_{t-1}]: (batch, D + H) x (D + H, 4H), read off the model.
     decoder = build_run(spec, cached=True)[0].captioner.decoder
     lstm = decoder.lstm

@@ -33,7 +33,6 @@ def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
     if torch.backends.mkldnn.is_available():  # the rate: the faster of MKL and oneDNN
         roof = data["roofline"]
         assert roof["onednn_matmul_gflops"] > 0 and "by oneDNN" in out.stdout
-        assert roof["rate"] == max(roof["matmul_gflops"], roof["onednn_matmul_gflops"])
 
 
 def test_flops_of_onednn_products_are_counted() -> None:
@@ -81,6 +80,7 @@ def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
     assert "fp32 matmul at the decoder's per-word shape, the LSTM gates (4x1312) x (1312x128):" \
         in out.stdout
     assert "top ops by self CPU time" in out.stdout
+    assert "profile of cached soft training, by image (torch.profiler)" in out.stdout
     data = json.loads((tmp_path / "bench.json").read_text())
     roof = data["roofline"]
     assert roof["matmul_gflops"] > 0 and roof["flop_pairs"] == 2 * 4  # the timed steps' pairs

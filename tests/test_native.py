@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from conftest import decoder_and_batch
 from torch import Tensor
 
+import captioning.models.decoder as decoder_module
 from captioning.models import native
 from captioning.models.attention import AdditiveAttention, AdditiveScore
 from captioning.models.decoder import AttentionLSTMDecoder
@@ -232,6 +234,14 @@ def test_decoder_with_the_native_kernel_equals_the_aten_path(
     apply = native.NativeContext.apply
     monkeypatch.setattr(native.NativeContext, "apply", staticmethod(
         lambda w, v, rows: read.append((v.size(0), rows.size(0))) or apply(w, v, rows)))
+    onednn: list[bool] = []  # whether each pass's recurrent product ran by oneDNN
+
+    class Recording(decoder_module.RecurrentProduct):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            onednn.append(self.onednn)
+
+    monkeypatch.setattr(decoder_module, "RecurrentProduct", Recording)
     runs = []
     for mode in ("off", "native"):
         dec.use_fast_path(mode)  # type: ignore[arg-type]
@@ -252,6 +262,8 @@ def test_decoder_with_the_native_kernel_equals_the_aten_path(
         torch.testing.assert_close(g_native[name], grad, rtol=1e-4, atol=1e-5, msg=name)
     distinct = len(torch.unique(feats.flatten(1), dim=0))
     assert distinct == (-(-B // 5) if batch == "by-image" else B)
+    # oneDNN's recurrent product on the native path only (where this torch has oneDNN)
+    assert onednn == [False, torch.backends.mkldnn.is_available()]
     if batch == "grid-with-gradient":
         assert not read  # the kernel gives no gradient of the annotations: the ATen path
     else:  # every step read the distinct images' rows, the first step all B captions

@@ -114,7 +114,7 @@ def onednn_usable(weight: Tensor) -> bool:
     """Whether oneDNN can take a float32 CPU product by `weight` here (autocast off)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
             and autocast_dtype(weight) is None and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and torch.backends.mkldnn.enabled and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class _Step(torch.autograd.Function):
@@ -151,10 +151,10 @@ class RecurrentProduct:
     X^T G. `defer` False (a compiled pass) makes it a plain addmm.
 
     `onednn`: each step's float32 products (x W, and g W^T backward) by oneDNN where it can
-    take them. ATen runs float32 products by MKL's sgemm, which at a step's few rows ran at
-    about half oneDNN's rate on this project's AMD CPU (32 × 1024 × 2048: 1.14 against 0.75
-    ms; at 7 rows, 0.59 against 0.16; docs/benchmarks.md). At a pass's hundreds of rows they
-    ran alike. Equal to float32 rounding. One per pass."""
+    take them. ATen runs float32 products by MKL's sgemm, which at a step's few rows was much
+    slower than oneDNN on this project's AMD CPU (32 × 1024 × 2048: 1.14 against 0.75 ms, W as
+    it lies; docs/benchmarks.md). Within 1e-6 relative of MKL's results (the decoder's loss is
+    tested to 1e-5). One per pass."""
 
     def __init__(self, weight: Tensor, *, defer: bool = True, onednn: bool = False) -> None:
         self.weight, self.grad = PassGradient.through(weight, defer=defer,

@@ -6,8 +6,8 @@ memory traffic, as is the context Σ_i w_i a_i (Eq. 6) over the (b, L, D) annota
 `AdditiveScore` (captioning.models.attention) runs the score as ATen operations, which pass over
 a (b, L, A) tensor twice forward and five times backward. `attention.cpp` makes one pass each
 way (the sigmoid recomputed in the backward rather than stored, its exponential by ATen's
-faster `exp_u20`), in float32 or bfloat16, and equals the formula to 1e-5
-(`tests/test_native.py`). Both kernels read the grid
+faster `exp_u20`), in float32 or bfloat16: in float32 it equals the formula to 1e-5, in
+bfloat16 it is as near it as the ATen ops (`tests/test_native.py`). Both kernels read the grid
 through `rows` (caption c reads row rows[c]), so that the captions of one image read its keys
 and annotations once, from cache, and sum the keys' gradient into one row: the decoder's
 teacher-forced pass keeps one row per distinct image (`Memory.rows`).
