@@ -152,15 +152,40 @@ inline void score_backward_vec(const Vec& k, const Vec& q, const Vec& w, const V
   at::vec::fmadd(g, s + s - Vec(1.f), Vec::loadu(dw)).store(dw);
 }
 
+// One caption's backward over one grid row k (A values of T) with upstream gradient g: adds
+// into that row's gradient dk (the keys' own row, or a float32 sum over the row's captions),
+// the caption's dq and the part's dw.
+template <typename T, typename D>
+void score_backward_row(const T* k, const float* q, const float* W, float g, D* dk, float* dq,
+                        float* dw, int64_t A) {
+  const int64_t body = A - A % kChunk;
+  const Vec gv(g), g4(4.f * g);
+  for (int64_t a = 0; a < body; a += kChunk) {
+    const int64_t h = a + Vec::size();
+    Vec k0, k1, d0, d1;
+    load2(k + a, k0, k1);
+    load2(dk + a, d0, d1);
+    score_backward_vec(k0, Vec::loadu(q + a), Vec::loadu(W + a), gv, g4, d0, dq + a, dw + a);
+    score_backward_vec(k1, Vec::loadu(q + h), Vec::loadu(W + h), gv, g4, d1, dq + h, dw + h);
+    store2(dk + a, d0, d1);
+  }
+  for (int64_t a = body; a < A; ++a) {
+    const float s = sigmoid2(static_cast<float>(k[a]) + q[a]);
+    const float uw = 4.f * g * s * (1.f - s) * W[a];
+    dk[a] = static_cast<D>(static_cast<float>(dk[a]) + uw);
+    dq[a] += uw;
+    dw[a] += g * (2.f * s - 1.f);
+  }
+}
+
 // The grid rows (row, l) of the groups are cut into `parts` fixed ranges, each summing dq and
 // dw into its own buffer of `partial` (parts × (b·A + A)): no buffer depends on which thread
 // runs a range. A grid row read by several captions sums their gradients in float32 first,
-// then adds them into dkeys once.
+// then adds them into dkeys once; one caption adds straight into it.
 template <typename T>
 void score_backward(const float* Gup, const T* K, const float* Q, const float* W, T* DK,
                     float* partial, int64_t parts, const Groups& G, int64_t b, int64_t L,
                     int64_t A) {
-  const int64_t body = A - A % kChunk;
   const int64_t tasks = G.size() * L, per_part = (tasks + parts - 1) / parts;
   at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     std::vector<float> dkf(A);
@@ -174,68 +199,18 @@ void score_backward(const float* Gup, const T* K, const float* Q, const float* W
         T* dk = DK + (G.row[j] * L + l) * A;
         const int64_t* captions = G.order.data() + G.start[j];
         const int64_t count = G.start[j + 1] - G.start[j];
-        if (count == 1) {  // one caption: its g broadcast once for the row
+        if (count == 1) {
           const int64_t c = captions[0];
-          const float* q = Q + c * A;
-          float* dq = dq_all + c * A;
-          const Vec g(Gup[c * L + l]), g4(4.f * Gup[c * L + l]);
-          for (int64_t a = 0; a < body; a += kChunk) {
-            const int64_t h = a + Vec::size();
-            Vec k0, k1, d0, d1;
-            load2(k + a, k0, k1);
-            load2(dk + a, d0, d1);
-            score_backward_vec(k0, Vec::loadu(q + a), Vec::loadu(W + a), g, g4, d0, dq + a,
-                               dw + a);
-            score_backward_vec(k1, Vec::loadu(q + h), Vec::loadu(W + h), g, g4, d1, dq + h,
-                               dw + h);
-            store2(dk + a, d0, d1);
-          }
-          for (int64_t a = body; a < A; ++a) {
-            const float s = sigmoid2(static_cast<float>(k[a]) + q[a]);
-            const float uw = 4.f * Gup[c * L + l] * s * (1.f - s) * W[a];
-            dk[a] = static_cast<T>(static_cast<float>(dk[a]) + uw);
-            dq[a] += uw;
-            dw[a] += Gup[c * L + l] * (2.f * s - 1.f);
-          }
+          score_backward_row(k, Q + c * A, W, Gup[c * L + l], dk, dq_all + c * A, dw, A);
           continue;
         }
-        // several captions: the row's gradient summed over them in float32, stored once
-        for (int64_t a = 0; a < body; a += kChunk) {
-          Vec d0, d1;
-          load2(dk + a, d0, d1);
-          store2(dkf.data() + a, d0, d1);
-        }
-        for (int64_t a = body; a < A; ++a) dkf[a] = static_cast<float>(dk[a]);
+        for (int64_t a = 0; a < A; ++a) dkf[a] = static_cast<float>(dk[a]);
         for (int64_t i = 0; i < count; ++i) {
           const int64_t c = captions[i];
-          const float* q = Q + c * A;
-          float* dq = dq_all + c * A;
-          const float gl = Gup[c * L + l];
-          const Vec g(gl), g4(4.f * gl);
-          for (int64_t a = 0; a < body; a += kChunk) {
-            const int64_t h = a + Vec::size();
-            Vec k0, k1, d0 = Vec::loadu(dkf.data() + a), d1 = Vec::loadu(dkf.data() + h);
-            load2(k + a, k0, k1);
-            score_backward_vec(k0, Vec::loadu(q + a), Vec::loadu(W + a), g, g4, d0, dq + a,
-                               dw + a);
-            score_backward_vec(k1, Vec::loadu(q + h), Vec::loadu(W + h), g, g4, d1, dq + h,
-                               dw + h);
-            d0.store(dkf.data() + a);
-            d1.store(dkf.data() + h);
-          }
-          for (int64_t a = body; a < A; ++a) {
-            const float s = sigmoid2(static_cast<float>(k[a]) + q[a]);
-            const float uw = 4.f * gl * s * (1.f - s) * W[a];
-            dkf[a] += uw;
-            dq[a] += uw;
-            dw[a] += gl * (2.f * s - 1.f);
-          }
+          score_backward_row(k, Q + c * A, W, Gup[c * L + l], dkf.data(), dq_all + c * A, dw,
+                             A);
         }
-        int64_t a = 0;
-        for (; a < body; a += kChunk) {
-          store2(dk + a, Vec::loadu(dkf.data() + a), Vec::loadu(dkf.data() + a + Vec::size()));
-        }
-        for (; a < A; ++a) dk[a] = static_cast<T>(dkf[a]);
+        for (int64_t a = 0; a < A; ++a) dk[a] = static_cast<T>(dkf[a]);
       }
     }
   });
