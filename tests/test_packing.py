@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from captioning.models import packing
 from captioning.models.decoder import AttentionLSTMDecoder
-from captioning.models.packing import PackedSteps
+from captioning.models.packing import PackedSteps, dropout_mask
 
 
 def test_positions_are_time_major_rows_of_the_batch_as_given() -> None:
@@ -51,12 +52,43 @@ def test_packed_dropout_drops_what_nn_dropout_drops_on_the_padded_batch(
     torch.manual_seed(7)
     got = pk.dropout(0.3, training=True)(pk.gather(x))
     assert got.dtype == dtype
-    torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
-                               atol=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert bool(got.eq(0).any()) and bool(got.ne(0).any())
     packed = pk.gather(x)
     assert pk.dropout(0.3, training=False)(packed) is packed
     assert pk.dropout(0.0, training=True)(packed) is packed
+
+
+@pytest.mark.parametrize("serial", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.5, 0.3, 0.9])
+def test_dropout_mask_is_f_dropouts_mask_bit_for_bit_from_the_same_stream(
+        monkeypatch: pytest.MonkeyPatch, serial: bool, dtype: torch.dtype, p: float) -> None:
+    """Both ways of drawing it (torch.rand's doubles where ATen's Bernoulli draws them one at a
+    time, else F.dropout itself) give F.dropout's mask and leave the generator where it does."""
+    if serial and not packing.serial_cpu_bernoulli():
+        pytest.skip("this CPU's bernoulli_ is not the serial one (MKL's, on Intel)")
+    monkeypatch.setattr(packing, "serial_cpu_bernoulli", lambda: serial)
+    shape = (5, 7, 33)  # odd sizes: no vector-width luck
+    torch.manual_seed(11)
+    want = torch.nn.functional.dropout(torch.ones(shape, dtype=dtype), p, training=True)
+    want_next = torch.rand(4)
+    torch.manual_seed(11)
+    got = dropout_mask(shape, p, dtype=dtype, device=torch.device("cpu"))
+    assert got.dtype == dtype and got.shape == shape
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(torch.rand(4), want_next, rtol=0, atol=0)
+    assert set(got.unique().tolist()) == {0.0, float(torch.tensor(1 / (1 - p), dtype=dtype))}
+
+
+def test_serial_cpu_bernoulli_matches_what_this_build_draws() -> None:
+    """The probe answers by what bernoulli_ does here: True exactly when the default generator's
+    bernoulli_ on a large tensor equals torch.rand's doubles kept below p."""
+    torch.manual_seed(5)
+    bern = torch.empty(20_000).bernoulli_(0.4).bool()
+    torch.manual_seed(5)
+    rand = torch.rand(20_000, dtype=torch.float64) < 0.4
+    assert packing.serial_cpu_bernoulli() == torch.equal(bern, rand)
 
 
 @pytest.mark.parametrize("training", [False, True])
