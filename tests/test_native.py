@@ -109,12 +109,17 @@ def test_captions_sharing_key_rows_score_as_the_formula(A: int, summed: bool,
 @pytest.mark.usefixtures("built")
 def test_a_nan_key_gives_a_nan_score_wherever_it_lies() -> None:
     """A NaN in the keys reaches the scores (and so the loss's finite check), in a vector body
-    or in a tail: the kernel's faster exponential clamps its argument, NaN included."""
+    or in a tail: the kernel's tanh clamps its argument, in a way that must keep NaN. Huge and
+    infinite keys saturate it to ±1, as tanh does."""
     keys, q, w = torch.randn(2, 3, 37), torch.randn(2, 37), torch.randn(1, 37)
     keys[0, 1, 5] = float("nan")  # in the first vector chunk
     keys[1, 2, 36] = float("nan")  # in the tail
     e = native.NativeAdditiveScore.apply(keys, q, w, None, None)
     assert e.isnan().nonzero().tolist() == [[0, 1], [1, 2]]
+    signs = torch.tensor([1.0, -1.0]).repeat(19)[:37]
+    huge = torch.stack([signs * 1e30, signs * float("inf")]).unsqueeze(1)  # (2, 1, 37)
+    e = native.NativeAdditiveScore.apply(huge, q, w, None, None)
+    torch.testing.assert_close(e, (w * signs).sum().expand(2, 1), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.usefixtures("built")

@@ -5,8 +5,8 @@ after the products: its elementwise work over the (b, L, A) grid at every word i
 memory traffic, as is the context Σ_i w_i a_i (Eq. 6) over the (b, L, D) annotations.
 `AdditiveScore` (captioning.models.attention) runs the score as ATen operations, which pass over
 a (b, L, A) tensor twice forward and five times backward. `attention.cpp` makes one pass each
-way (the sigmoid recomputed in the backward rather than stored, its exponential by ATen's
-faster `exp_u20`), in float32 or bfloat16: in float32 it equals the formula to 1e-5, in
+way (tanh by a rational function, recomputed in the backward rather than stored), in
+float32 or bfloat16: in float32 it equals the formula to 1e-5, in
 bfloat16 it is as near it as the ATen ops (`tests/test_native.py`). Both kernels read the grid
 through `rows` (caption c reads row rows[c]), so that the captions of one image read its keys
 and annotations once, from cache, and sum the keys' gradient into one row: the decoder's
