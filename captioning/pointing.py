@@ -70,7 +70,7 @@ def _referred_objects(
 
     They are the objects of the named shape, narrowed to one colour when the word right before
     it, or the one before a single modifier ("red large circle"), is a colour word that one of
-    them has, as `shapes.parse_objects` binds them.
+    them has (`shapes.bound_colour`, the rule of `shapes.parse_objects` too).
     """
     shape = _singular(caption[t], names)
     if shape is None:
@@ -78,13 +78,9 @@ def _referred_objects(
     referred = [o for o in objects if o["shape"] == shape]
     if not referred:
         return []
-    colour = None
-    for back, prev in enumerate(reversed(caption[max(0, t - 2) : t])):
-        if prev in colors:
-            colour = prev
-            break
-        if back > 0 or prev not in modifiers:
-            break
+    from captioning.data.shapes import bound_colour  # not at import time (module docstring)
+
+    colour = bound_colour(caption, t, colours=colors, sizes=modifiers)
     if colour is not None and any(o["color"] == colour for o in referred):
         referred = [o for o in referred if o["color"] == colour]
     return referred
@@ -126,9 +122,9 @@ def pointing_accuracy(
     plural "-s"/"-es" forms count) whose class occurs in the image. The referred objects are
     the image's objects of that shape; when the word right before it, or the one before a
     single modifier (`modifier_words`, default shapes.SIZES: "red large circle"), is a colour
-    word (default shapes.COLORS) that one of them has, only those of that colour, as
-    `shapes.parse_objects` binds them. Words whose shape is absent from the image are not
-    scored.
+    word (default shapes.COLORS) that one of them has, only those of that colour: the rule
+    of `shapes.bound_colour`, which `shapes.parse_objects` follows too. Words whose shape is
+    absent from the image are not scored.
 
     Hit criterion: the argmax cell (r, c) of alphas[i][t] covers the rectangle
     [c/gw, (c+1)/gw) x [r/gh, (r+1)/gh) of the input; the word is a hit when this rectangle

@@ -16,6 +16,7 @@ from captioning.data.shapes import (
     COLORS,
     SHAPES,
     SIZES,
+    bound_colour,
     generate_shapes,
     parse_objects,
     scene_objects,
@@ -181,10 +182,28 @@ def test_objects_are_drawn_in_their_colour(shapes_root: Path) -> None:
     ("a red large diamond", {("red", "diamond")}),
     ("a red and blue square", {("blue", "square")}),  # "red" is not bound to a shape
     ("a red thing near a circle", set()),
+    ("a red small large circle", set()),  # one size word at most between them
+    ("a red circle square", {("red", "circle")}),  # the colour binds to one noun
+    ("a red large blue circle", {("blue", "circle")}),
     ("", set()),
 ])
 def test_parse_objects(caption: str, expected: set[tuple[str, str]]) -> None:
     assert parse_objects(caption) == expected
+
+
+@pytest.mark.parametrize(("tokens", "t", "expected"), [
+    (["a", "blue", "cube"], 2, "blue"),
+    (["blue", "big", "cube"], 2, "blue"),
+    (["blue", "big", "big", "cube"], 3, None),
+    (["big", "cube"], 1, None),  # a size word with nothing before it
+    (["cube"], 0, None),
+    (["blue", "and", "cube"], 2, None),
+])
+def test_bound_colour_is_one_rule_over_any_words(tokens: list[str], t: int,
+                                                 expected: str | None) -> None:
+    """The binding of pointing accuracy (any object, colour and size words) and of
+    `parse_objects`: the colour right before the noun, or before one size word."""
+    assert bound_colour(tokens, t, colours={"blue"}, sizes={"big"}) == expected
 
 
 def test_scene_objects_accepts_entry_or_object_list() -> None:

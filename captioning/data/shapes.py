@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,25 +220,29 @@ def scene_captions(objs: Sequence[_Obj], image_size: int, rng: np.random.Generat
     return [canon, *chosen]
 
 
-def parse_objects(caption: str) -> set[tuple[str, str]]:
-    """The (colour, shape) pairs a caption names.
+def bound_colour(tokens: Sequence[str], t: int, *, colours: Collection[str],
+                 sizes: Collection[str]) -> str | None:
+    """The colour word bound to the shape word tokens[t]: the word right before it, or the one
+    before a single size word ("red large circle"); None when neither is a colour. The one
+    binding rule of `parse_objects` and of pointing accuracy's referred objects."""
+    before = tokens[t - 1] if t >= 1 else None
+    if before in colours:
+        return before
+    if before in sizes and t >= 2 and tokens[t - 2] in colours:
+        return tokens[t - 2]
+    return None
 
-    A colour word binds to the next shape noun (singular or plural); one size word may sit
-    between them ("red large circle"). Anything else in between breaks the binding.
-    """
+
+def parse_objects(caption: str) -> set[tuple[str, str]]:
+    """The (colour, shape) pairs a caption names: each shape noun (singular or plural) with
+    the colour `bound_colour` binds to it."""
+    tokens = tokenize(caption)
     found: set[tuple[str, str]] = set()
-    pending: str | None = None
-    size_seen = False
-    for tok in tokenize(caption):
-        if tok in _COLOR_SET:
-            pending, size_seen = tok, False
-        elif pending is not None and tok in _SHAPE_WORDS:
-            found.add((pending, _SHAPE_WORDS[tok]))
-            pending = None
-        elif pending is not None and tok in _SIZE_SET and not size_seen:
-            size_seen = True
-        else:
-            pending = None
+    for t, tok in enumerate(tokens):
+        colour = bound_colour(tokens, t, colours=_COLOR_SET, sizes=_SIZE_SET) \
+            if tok in _SHAPE_WORDS else None
+        if colour is not None:
+            found.add((colour, _SHAPE_WORDS[tok]))
     return found
 
 

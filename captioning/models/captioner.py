@@ -26,6 +26,7 @@ from captioning.models.decoder import (
     HardEstimator,
     SemiSampling,
     SemiSamplingGrad,
+    check_settings,
 )
 from captioning.models.decoding import (
     Generation,
@@ -138,8 +139,7 @@ class CaptionerConfig(_PlainConfig):
 
     def __post_init__(self) -> None:
         """Refuse impossible values at construction, before any weights load (one line)."""
-        for name in ("embed_dim", "hidden_dim", "attn_dim", "image_size", "n_layers_att",
-                     "n_layers_init"):
+        for name in ("embed_dim", "hidden_dim", "attn_dim", "image_size", "n_layers_att"):
             if getattr(self, name) < 1:
                 raise ValueError(f"net.{name} must be >= 1, got {getattr(self, name)}")
         if self.vocab_size < 0 or (self.grid_size is not None and self.grid_size < 1):
@@ -147,9 +147,14 @@ class CaptionerConfig(_PlainConfig):
                              f"got {self.vocab_size} and {self.grid_size}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"net.dropout must be in [0, 1), got {self.dropout}")
-        if not 0.0 <= self.semi_sampling_prob <= 1.0:
-            raise ValueError(f"net.semi_sampling_prob must be in [0, 1], "
-                             f"got {self.semi_sampling_prob}")
+        try:  # the decoder's own checks, in one place
+            check_settings(attention=self.attention, hard_decode=self.hard_decode,
+                           semi_sampling=self.semi_sampling,
+                           semi_sampling_prob=self.semi_sampling_prob,
+                           semi_sampling_grad=self.semi_sampling_grad,
+                           hard_estimator=self.hard_estimator, n_layers_init=self.n_layers_init)
+        except ValueError as e:
+            raise ValueError(f"net.{e}") from None
         if self.gumbel_anneal_steps < 0:
             raise ValueError(f"net.gumbel_anneal_steps must be >= 0, "
                              f"got {self.gumbel_anneal_steps}")

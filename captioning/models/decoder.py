@@ -101,10 +101,10 @@ class AttentionLSTMDecoder(nn.Module):
         n_layers_init: int = 1,
     ) -> None:
         super().__init__()
-        _check_settings(attention=attention, hard_decode=hard_decode, semi_sampling=semi_sampling,
-                        semi_sampling_prob=semi_sampling_prob,
-                        semi_sampling_grad=semi_sampling_grad, hard_estimator=hard_estimator,
-                        n_layers_init=n_layers_init)
+        check_settings(attention=attention, hard_decode=hard_decode, semi_sampling=semi_sampling,
+                       semi_sampling_prob=semi_sampling_prob,
+                       semi_sampling_grad=semi_sampling_grad, hard_estimator=hard_estimator,
+                       n_layers_init=n_layers_init)
         self.vocab_size = vocab_size
         self.attention_kind: AttentionKind = attention
         self.hard_decode: WeightRule = hard_decode
@@ -423,10 +423,11 @@ class AttentionLSTMDecoder(nn.Module):
                 torch.where(mask, torch.stack(trace.ents, 1), 0.0))
 
 
-def _check_settings(*, attention: str, hard_decode: str, semi_sampling: str,
-                    semi_sampling_prob: float, semi_sampling_grad: str, hard_estimator: str,
-                    n_layers_init: int) -> None:
-    """Refuse a setting the decoder does not know, naming it."""
+def check_settings(*, attention: str, hard_decode: str, semi_sampling: str,
+                   semi_sampling_prob: float, semi_sampling_grad: str, hard_estimator: str,
+                   n_layers_init: int) -> None:
+    """Refuse a setting the decoder does not know, naming it (`CaptionerConfig` names it
+    `net.<name>`)."""
     check_choice("attention", attention, AttentionKind)
     check_choice("hard_decode", hard_decode, WeightRule)
     check_choice("semi_sampling", semi_sampling, SemiSampling)
