@@ -123,6 +123,20 @@ def test_a_nan_key_gives_a_nan_score_wherever_it_lies() -> None:
 
 
 @pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("at", [0, 36], ids=["vector-body", "tail"])
+def test_the_kernels_tanh_is_within_4_ulp_and_never_past_one(at: int) -> None:
+    """With w one-hot, the score is the kernel's tanh itself: over [-10, 10] it stays in
+    [-1, 1] (so 1 - t² is never negative) and within 4 float32 ulp of tanh near ±1."""
+    x = torch.linspace(-10, 10, 40_001)
+    keys = x.view(1, -1, 1).expand(1, x.numel(), 37).contiguous()
+    w = torch.zeros(37)
+    w[at] = 1.0
+    t = native.NativeAdditiveScore.apply(keys, torch.zeros(1, 37), w.view(1, 37), None, None)[0]
+    assert float(t.max()) == 1.0 and float(t.min()) == -1.0
+    assert float((t.double() - torch.tanh(x.double())).abs().max()) <= 4 * 2.0**-24 + 1e-12
+
+
+@pytest.mark.usefixtures("built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 37], ids=["vector-width", "with-a-tail"])
 def test_the_context_kernel_equals_the_weighted_sum(D: int, dtype: torch.dtype) -> None:

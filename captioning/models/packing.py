@@ -79,10 +79,10 @@ def dropout_mask(shape: tuple[int, ...], p: float, *, dtype: torch.dtype,
     """The mask `F.dropout(ones(shape), p, training=True)` draws, 0 or 1 / (1 - p), bit for
     bit and from the same random numbers. Where ATen's CPU Bernoulli draws one uniform double
     an element (`serial_cpu_bernoulli`), `torch.rand` draws those doubles about 3x faster than
-    `bernoulli_` (docs/benchmarks.md, part 8)."""
+    `bernoulli_` (docs/benchmarks.md, part 8); p = 0 and p = 1 are F.dropout's own."""
     keep = 1.0 - p
-    if device.type == "cpu" and serial_cpu_bernoulli():
-        drawn = torch.rand(shape, dtype=torch.float64) < keep  # bernoulli_(keep)'s draws
+    if device.type == "cpu" and 0.0 < p < 1.0 and serial_cpu_bernoulli():
+        drawn = torch.rand(shape, dtype=torch.float64, device=device) < keep  # bernoulli_'s
         return drawn.to(dtype).div_(keep)  # as F.dropout: the noise in x's dtype, / (1 - p)
     return F.dropout(torch.ones(shape, dtype=dtype, device=device), p, training=True)
 
