@@ -1002,14 +1002,12 @@ def run_roofline(base: dict[str, Any], args: argparse.Namespace,
     roof = run_worker(spec, args.threads)
     per_pair = roof["flops"] / max(1, roof["flop_pairs"])
     achieved = per_pair * cached_soft["mean_captions_per_s"] / 1e9
+    # the machine's rate: the faster of torch.mm (MKL) and oneDNN, which the native path runs
+    rate = max(roof["matmul_gflops"], roof.get("onednn_matmul_gflops") or 0.0)
     return {**roof, "flops_per_pair": per_pair,
             "words_per_pair": roof["flop_words"] / max(1, roof["flop_pairs"]),
             "pairs_per_s": cached_soft["mean_captions_per_s"], "achieved_gflops": achieved,
-            # the machine's rate: the faster of torch.mm (MKL) and oneDNN, which the native
-            # path also runs
-            "rate": max(roof["matmul_gflops"], roof.get("onednn_matmul_gflops") or 0.0),
-            "share": achieved / max(roof["matmul_gflops"],
-                                    roof.get("onednn_matmul_gflops") or 0.0),
+            "rate": rate, "share": achieved / rate,
             "bf16_share": achieved / roof["bf16_matmul_gflops"]
             if roof.get("bf16_matmul_gflops") else None}
 

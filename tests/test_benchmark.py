@@ -33,6 +33,8 @@ def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
     if torch.backends.mkldnn.is_available():  # the rate: the faster of MKL and oneDNN
         roof = data["roofline"]
         assert roof["onednn_matmul_gflops"] > 0 and "by oneDNN" in out.stdout
+        assert roof["rate"] == max(roof["matmul_gflops"], roof["onednn_matmul_gflops"])
+        assert roof["share"] == roof["achieved_gflops"] / roof["rate"]
 
 
 def test_flops_of_onednn_products_are_counted() -> None:
