@@ -86,6 +86,31 @@ def test_the_guard_follows_the_optimiser_groups_after_a_resume(built_fused: bool
             guard.flush()
 
 
+@pytest.mark.parametrize("bound", ["above", "below"])
+def test_clipping_on_the_cpu_skips_the_multiply_by_one_and_equals_clip_grad_norm(
+        bound: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the norm is within the bound (the coefficient clamps to 1) the gradients are left
+    as they are, without a pass over them; past it they are `clip_grad_norm_`'s, to the bit."""
+    torch.manual_seed(0)
+    model, twin = torch.nn.Linear(5, 4), torch.nn.Linear(5, 4)
+    model(torch.randn(8, 5)).pow(2).sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.grad = p.grad.clone()
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    value = 2 * norm if bound == "above" else norm / 3
+    torch.nn.utils.clip_grad_norm_(twin.parameters(), value)
+    calls = []
+    clip = torch.nn.utils.clip_grads_with_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_",
+                        lambda *a, **k: (calls.append(1), clip(*a, **k)))
+    opt = torch.optim.Adam(model.parameters())
+    guard = StepGuard(model.named_parameters)
+    guard.check(opt, step=0)
+    guard.clip(opt, value)
+    assert len(calls) == (bound == "below")
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))
+
+
 def _guarded_rank(rank: int, init_file: str, fused: bool, out: str) -> None:
     """One of two gloo ranks: a step whose loss is infinite on rank 0 only, with finite
     gradients everywhere (the gradients alone would let rank 1 go on)."""

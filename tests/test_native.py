@@ -201,6 +201,72 @@ def test_the_keys_gradient_sums_over_the_steps_of_a_pass(A: int, dtype: torch.dt
 
 
 @pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("A", [64, 37], ids=["vector-width", "with-a-tail"])
+@pytest.mark.parametrize("rows", [None, [4, 1, 4]], ids=["first-rows", "shared-rows"])
+def test_a_fresh_row_of_the_keys_gradient_is_written_with_the_bits_of_an_added_one(
+        A: int, dtype: torch.dtype, rows: list[int] | None) -> None:
+    """The score backward writes a row still `fresh` (no zero-fill before it) with the same bits
+    as adding into zeros, adds into the others, clears the flags of the rows it wrote and leaves
+    the rows it did not read, and their flags, alone."""
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(6, 9, A, generator=g).to(dtype)
+    q, w = torch.randn(3, A, generator=g), torch.randn(A, generator=g)
+    up = torch.randn(3, 9, generator=g)
+    r = None if rows is None else torch.tensor(rows)
+    read = sorted(set(range(3) if rows is None else rows))
+    ops = torch.ops.captioning_native
+    before = torch.randn(6, 9, A, generator=g).to(dtype)  # what earlier steps added
+    fresh = torch.zeros(6, dtype=torch.bool)
+    fresh[[read[0], 5]] = True  # one read row fresh, one unread row fresh
+    added = before.clone()
+    added[fresh] = 0
+    ref_dq, ref_dw = ops.additive_score_backward(up, keys, q, w, r, added)
+    got = before.clone()
+    got[fresh] = float("nan")  # a fresh row's contents are never read
+    dq, dw = ops.additive_score_backward(up, keys, q, w, r, got, fresh)
+    assert torch.equal(got[:5], added[:5]) and torch.equal(dq, ref_dq) and torch.equal(dw, ref_dw)
+    assert got[5].isnan().all()  # not read: not written
+    assert fresh.tolist() == [False] * 5 + [True]
+
+
+def test_the_pass_gradient_zeroes_rows_no_step_wrote() -> None:
+    """A sum whose kernel writes fresh rows: rows no step wrote come out zero, and a step that
+    adds through `running_sum` after one that wrote fresh rows adds into zeros there."""
+    t = torch.randn(4, 2, 3, requires_grad=True)
+    kin, sink = PassGradient.through(t)
+    assert sink is not None
+    dense, fresh = sink.unwritten_sum(torch.float32)
+    dense[1] = 7.0
+    fresh[1] = False
+    sink.add_rows(torch.ones(1, 2, 3))  # row 0, fresh until now: zeroed first
+    (kin * 0).sum().backward()
+    expected = torch.zeros(4, 2, 3)
+    expected[0], expected[1] = 1.0, 7.0
+    assert torch.equal(t.grad, expected)
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("grouped", [False, True], ids=["by-length", "by-image"])
+def test_the_decoders_gradients_are_the_bits_of_a_zero_filled_keys_sum(
+        grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing fresh rows instead of zero-filling the keys' sum changes no bit of any
+    gradient."""
+    def grads() -> list[Tensor]:
+        dec, feats, caps, lengths, _ = decoder_and_batch((10, 12, 24, 16), 0.0, grouped=grouped)
+        dec.use_fast_path("native")
+        out = dec(feats, caps, lengths)
+        (out.logits.pow(2).sum() + out.alphas.pow(2).sum()).backward()
+        return [p.grad for p in dec.parameters()]
+
+    fast = grads()
+    monkeypatch.setattr(PassGradient, "unwritten_sum",
+                        lambda self, dtype: (self.running_sum(dtype), None))
+    for a, b in zip(fast, grads(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("built")
 @pytest.mark.parametrize("summed", [False, True], ids=["own-gradient", "summed-over-the-pass"])
 def test_native_score_backs_up_twice_through_a_retained_graph(summed: bool) -> None:
     keys, q, w = (torch.randn(*s, requires_grad=True) for s in ((2, 3, 40), (2, 40), (1, 40)))

@@ -7,7 +7,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from captioning.models.pass_grads import PassGradient, RecurrentProduct, lstm_pass_weights
+from captioning.models.pass_grads import (
+    PassGradient,
+    RecurrentProduct,
+    linear,
+    lstm_pass_weights,
+)
 
 ROWS = (5, 5, 4, 2, 1)  # a shrinking batch, as the decoder's: captions end one by one
 
@@ -150,3 +155,39 @@ def test_the_lstm_weights_of_a_pass_get_plain_gradients_in_their_own_layout() ->
     for got, ref in zip(grads[0], grads[1]):
         assert got.is_contiguous() and got.abs().sum() > 0
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(7, 12), (3, 5, 12)], ids=["rows", "a-grid"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "frozen-x"])
+def test_linear_by_onednn_equals_f_linear_and_its_gradients(
+        shape: tuple[int, ...], bias: bool, x_grad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`linear(onednn=True)`: the forward by oneDNN where it takes a float32 product (spied),
+    equal to F.linear's to float32 rounding, and the gradients too; a frozen input gets none."""
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(*shape, generator=g)
+    w0, b0 = torch.randn(9, 12, generator=g), torch.randn(9, generator=g)
+    up = torch.randn(*shape[:-1], 9, generator=g)
+    calls = []
+    if torch.backends.mkldnn.is_available():
+        op = torch.ops.mkldnn._linear_pointwise
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                            lambda *a: (calls.append(1), op(*a))[1])
+
+    def run(onednn: bool) -> list[Tensor | None]:
+        x, w = x0.clone().requires_grad_(x_grad), w0.clone().requires_grad_()
+        b = b0.clone().requires_grad_() if bias else None
+        y = linear(x, w, b, onednn=onednn)
+        (y * up).sum().backward()
+        return [y.detach(), x.grad, w.grad, None if b is None else b.grad]
+
+    fast, ref = run(True), run(False)
+    assert len(calls) == torch.backends.mkldnn.is_available()
+    for a, b in zip(fast, ref, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert (fast[1] is None) == (not x_grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's products: F.linear's
+        assert linear(x0, w0, b0, onednn=True).dtype == torch.bfloat16

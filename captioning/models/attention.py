@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 import captioning.models.native as native
 from captioning.choices import check_choice
-from captioning.models.pass_grads import PassGradient
+from captioning.models.pass_grads import PassGradient, linear
 
 WeightRule = Literal["expected", "sample", "argmax"]  # decode-time rules (`net.hard_decode`)
 SelectRule = Literal["expected", "sample", "argmax", "gumbel"]  # every rule of `select`
@@ -59,7 +59,7 @@ class Scorer(nn.Module):
     steps in place (`captioning.models.pass_grads`); the CPU additive score does, the others
     leave it to autograd."""
 
-    key: nn.Module
+    key: nn.Linear  # W_a (or W_k, W), applied once per image
 
     def __init__(self, *, key_dim: int, n_layers: int = 1) -> None:
         super().__init__()
@@ -71,9 +71,10 @@ class Scorer(nn.Module):
         decoder's `fast_path: native`); whether it now does."""
         return False
 
-    def project(self, features: Tensor) -> Tensor:
-        """Keys of every location: (B, L, D) -> (B, L, K). Computed once, reused each step."""
-        return self.deep(self.key(features))
+    def project(self, features: Tensor, *, onednn: bool = False) -> Tensor:
+        """Keys of every location: (B, L, D) -> (B, L, K). Computed once, reused each step.
+        `onednn`: W_a's product by oneDNN where it takes it (`pass_grads.linear`)."""
+        return self.deep(linear(features, self.key.weight, self.key.bias, onednn=onednn))
 
     def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
                 rows: Tensor | None = None) -> Tensor:

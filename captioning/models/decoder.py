@@ -55,6 +55,7 @@ from captioning.models.pass_grads import (
     PassGradient,
     RecurrentProduct,
     autocast_dtype,
+    linear,
     lstm_pass_weights,
 )
 from captioning.models.repeats import per_distinct_row, repeated_rows
@@ -195,12 +196,13 @@ class AttentionLSTMDecoder(nn.Module):
         return "expected" if self.attention_kind == "soft" else self.hard_decode
 
     # -- internals -------------------------------------------------------------------------
-    def _word_gates(self, emb: Tensor, weight: Tensor | None = None) -> Tensor:
+    def _word_gates(self, emb: Tensor, weight: Tensor | None = None, onednn: bool = False
+                    ) -> Tensor:
         """The LSTM gates' part from the previous word, with both biases: (..., E) -> (..., 4H).
         Teacher forcing computes it for every step at once, as one large product, by its
-        `weight` (4H, E) from `_pass_weights`."""
+        `weight` (4H, E) from `_pass_weights` (by oneDNN on the native path)."""
         w = self.lstm.weight_ih[:, : emb.size(-1)] if weight is None else weight  # (4H, E)
-        return F.linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh)
+        return linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh, onednn=onednn)
 
     def _pass_weights(self) -> tuple[Tensor, Tensor]:
         """The LSTM's word weight (4H, E) and [W_z | W_hh]^T (D + H, 4H), the gates' part from
@@ -301,12 +303,12 @@ class AttentionLSTMDecoder(nn.Module):
         emb = self.embed(pk.gather(captions[:, :T]))  # (N, E): inputs y_0 .. y_{T-1}, packed
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
 
-        trace = StepTrace()
+        trace, onednn = StepTrace(), self.fast_path == "native"  # products by oneDNN
         # (b_t, 4H) a step; split: one backward node
         word_w, recurrent_w = self._pass_weights()
-        word_gates = self._word_gates(emb, word_w).split(pk.running)
+        word_gates = self._word_gates(emb, word_w, onednn).split(pk.running)
         # Gradients of W and the keys, summed over the steps in one place (models.pass_grads)
-        recurrent = RecurrentProduct(recurrent_w, onednn=self.fast_path == "native")
+        recurrent = RecurrentProduct(recurrent_w, onednn=onednn)
         keys, keys_grad = PassGradient.through(memory.keys)
         mem_t = memory = memory._replace(keys=keys)
         ue = use_expected
@@ -356,7 +358,7 @@ class AttentionLSTMDecoder(nn.Module):
             rows = rows.index_select(0, perm)
         if dtype is not None:
             features = features.to(dtype)
-        return Memory(features, self.attention.project(features), rows)
+        return Memory(features, self.attention.project(features, onednn=True), rows)
 
     def _no_words(self, features: Tensor, B: int, rule: SelectRule, semi: bool
                   ) -> DecoderOutput:
