@@ -27,6 +27,7 @@ rm -rf "$WORK/dist"
 WHEEL="$(ls "$WORK"/dist/captioning-*.whl)"
 unzip -l "$WHEEL" | grep -q 'captioning/configs/model/demo_soft.yaml'
 unzip -l "$WHEEL" | grep -q 'captioning/models/native/attention.cpp'  # built on first use
+unzip -l "$WHEEL" | grep -q 'captioning/models/native/cell.cpp'
 echo "$WHEEL"
 
 step "install it in a fresh virtual environment"

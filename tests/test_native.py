@@ -525,3 +525,48 @@ def test_memory_rows_are_taken_and_repeated_as_the_captions_are() -> None:
         assert a.rows is not None and b.rows is None
         torch.testing.assert_close(a.values[a.rows], b.values[: len(a.rows)])
         torch.testing.assert_close(a.keys[a.rows], b.keys[: len(a.rows)])
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("H", [64, 37], ids=["vector-width", "with-a-tail"])
+@pytest.mark.parametrize("upstream", ["h-and-c", "h-only", "c-only"])
+def test_the_lstm_cell_kernel_equals_the_formula_and_its_gradients(H: int, upstream: str
+                                                                    ) -> None:
+    """`NativeLSTMCell` against nn.LSTMCell's update in float64: h and c to float32 rounding,
+    the gradients of the gates and of c_{t-1} to 1e-5, with either output's gradient absent
+    (a step whose c or h reaches nothing)."""
+    g = torch.Generator().manual_seed(6)
+    gates0 = torch.randn(5, 4 * H, generator=g) * 3  # saturating gates too
+    c0 = torch.randn(5, H, generator=g) * 2
+    dh, dc = torch.randn(5, H, generator=g), torch.randn(5, H, generator=g)
+
+    def run(fn: Any, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        gates, c = (x.to(dtype, copy=True).requires_grad_() for x in (gates0, c0))
+        h, c_new = fn(gates, c)
+        loss = ((h * dh.to(dtype)).sum() if upstream != "c-only" else 0) + (
+            (c_new * dc.to(dtype)).sum() if upstream != "h-only" else 0)
+        loss.backward()
+        return h.detach(), c_new.detach(), gates.grad, c.grad
+
+    got = run(native.NativeLSTMCell.apply, torch.float32)
+    ref = run(lambda gates, c: native.lstm_cell(gates, c, kernel=False), torch.float64)
+    for a, b, tol in zip(got, ref, (2e-6, 2e-6, 1e-5, 1e-5)):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
+
+
+@pytest.mark.usefixtures("built")
+def test_the_native_decoder_steps_its_cell_by_the_kernel(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Each word step of the native path runs the cell kernel (and `off` never does); the
+    decoder's equality with `off` is tested above."""
+    calls: list[int] = []
+    apply = native.NativeLSTMCell.apply
+    monkeypatch.setattr(native.NativeLSTMCell, "apply",
+                        lambda *a: (calls.append(a[0].size(0)), apply(*a))[1])
+    dec, feats, caps, lengths, _ = decoder_and_batch((6, 5, 8, 8), 0.0)
+    for mode in ("off", "native"):
+        dec.use_fast_path(mode)  # type: ignore[arg-type]
+        dec(feats, caps, lengths).logits.sum().backward()
+    steps = (lengths - 1).clamp_min(0)
+    assert calls == [int((steps > t).sum()) for t in range(int(steps.max()))]

@@ -36,7 +36,11 @@ def test_configs_are_package_data_with_one_copy() -> None:
     text = (REPO / "pyproject.toml").read_text()
     assert '"configs/*/*.yaml"' in text  # what the wheel ships
     assert '"models/native/*.cpp"' in text  # the native kernel's source, compiled on first use
-    assert (REPO / "captioning" / "models" / "native" / "attention.cpp").is_file()
+    from captioning.models.native import SOURCES  # the kernels' sources, shipped alike
+
+    assert {f.name for f in SOURCES} == {"attention.cpp", "cell.cpp"}
+    assert all(f.is_file() and f.parent == REPO / "captioning" / "models" / "native"
+               for f in SOURCES)
 
 
 @pytest.mark.parametrize("name", ["paper_soft", "model/paper_soft", "model/paper_soft.yaml",

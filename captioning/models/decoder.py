@@ -245,9 +245,7 @@ class AttentionLSTMDecoder(nn.Module):
             gates = torch.addmm(gates, h, self.lstm.weight_hh.t())  # (b, 4H)
         else:
             gates = recurrent(word_gates, torch.cat([z_hat, h], dim=1))  # (b, 4H)
-        i, f, g, o = gates.chunk(4, dim=1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
+        h, c = native.lstm_cell(gates, c, kernel=self.fast_path == "native")
         return h, c, z_hat, sel
 
     def _output(self, emb: Tensor, h: Tensor, z_hat: Tensor, *,

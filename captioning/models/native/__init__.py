@@ -10,15 +10,17 @@ float32 or bfloat16: in float32 it equals the formula to 1e-5, in
 bfloat16 it is as near it as the ATen ops (`tests/test_native.py`). Both kernels read the grid
 through `rows` (caption c reads row rows[c]), so that the captions of one image read its keys
 and annotations once, from cache, and sum the keys' gradient into one row: the decoder's
-teacher-forced pass keeps one row per distinct image (`Memory.rows`).
+teacher-forced pass keeps one row per distinct image (`Memory.rows`). `cell.cpp` runs the LSTM
+cell's elementwise update (Eqs. 1-3) in one operation each way, where autograd takes some twenty
+(`lstm_cell`), in float32.
 
 `available()` loads them once per process, building with `torch.utils.cpp_extension` (a C++
 compiler and ninja) where they are not built yet: 10 to 30 s, once per machine, torch version
 and source. They are built for the vector width torch runs at here
 (`torch.backends.cpu.get_cpu_capability()`), into a folder of torch's extension folder
 (`$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions) named by that width and a digest
-of torch's version, the flags and the source, which is copied there: checkouts with the same
-source share one build. Builds are serialised by a file lock that dies with its holder
+of torch's version, the flags and the sources, which are copied there: checkouts with the same
+sources share one build. Builds are serialised by a file lock that dies with its holder
 (`captioning.locks`), so a build killed halfway never blocks the next. Where they cannot be
 built, `available()` logs one warning and returns False; the caller runs the ATen ops. The
 decoder uses them through `fast_path: native`, which `auto` picks on the CPU.
@@ -47,7 +49,8 @@ from captioning.models.pass_grads import PassGradient
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("attention.cpp")
+#: The kernels' sources: attention's score and context, and the LSTM cell.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "cell.cpp"))
 DTYPES = (torch.float32, torch.bfloat16)  # the kernels' grids; others run the ATen ops
 
 #: Compiler flags for each vector width torch reports (ATen's own Vectorized types follow them).
@@ -60,13 +63,14 @@ _ARCH_FLAGS = {
 
 def build_flags() -> tuple[str, list[str]]:
     """(the extension's name, its compiler flags) for this machine's vector width. The name
-    ends in a digest of torch's version, the flags and the source: a build of other headers or
-    another source is never loaded."""
+    ends in a digest of torch's version, the flags and the sources: a build of other headers or
+    other sources is never loaded."""
     capability = torch.backends.cpu.get_cpu_capability()
     arch = _ARCH_FLAGS.get(capability, ["-DCPU_CAPABILITY=DEFAULT"])
     flags = ["-O3", "-fopenmp", *arch]
     digest = hashlib.sha256("\0".join([torch.__version__, str(torch.version.git_version),
-                                       *flags, SOURCE.read_text()]).encode()).hexdigest()[:12]
+                                       *flags, *(f.read_text() for f in SOURCES)]).encode()
+                            ).hexdigest()[:12]
     width = capability.lower() if capability in _ARCH_FLAGS else "default"
     return f"captioning_native_{width}_{digest}", flags
 
@@ -111,11 +115,12 @@ def build(build_root: Path | None = None) -> None:
             # cpp_extension's own lock file, left behind by a killed build: older torch
             # releases wait while it exists. Stale, since every build here holds our lock.
             (folder / "lock").unlink(missing_ok=True)
-        source = folder / SOURCE.name  # one path for every checkout: ninja sees no change
-        text = SOURCE.read_text()
-        if not source.exists() or source.read_text() != text:
-            write_text_atomic(source, text)
-        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
+        sources = [folder / f.name for f in SOURCES]  # one path for every checkout: ninja
+        for source, original in zip(sources, SOURCES):  # sees no change
+            text = original.read_text()
+            if not source.exists() or source.read_text() != text:
+                write_text_atomic(source, text)
+        cpp_extension.load(name=name, sources=[str(f) for f in sources], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], build_directory=str(folder),
                            is_python_module=False, verbose=False)
     log.debug("native attention kernels loaded in %.1f s (%s)", time.monotonic() - start, folder)
@@ -125,7 +130,7 @@ def build(build_root: Path | None = None) -> None:
 def available() -> bool:
     """Whether the kernels are loaded, building them on the first call; False, with one
     warning, where they cannot be built."""
-    if hasattr(torch.ops.captioning_native, "attention_context"):
+    if hasattr(torch.ops.captioning_native, "lstm_cell"):
         return True
     try:
         build()
@@ -192,3 +197,34 @@ class NativeContext(torch.autograd.Function):
         (values,) = ctx.saved_tensors
         dw = torch.ops.captioning_native.attention_context_backward(dz, values, ctx.rows)
         return dw.to(ctx.dtype), None, None
+
+
+class NativeLSTMCell(torch.autograd.Function):
+    """nn.LSTMCell's update from its gates' pre-activations (b, 4H) and c (b, H), float32, by
+    the kernel (cell.cpp): (h, c), each way in one operation."""
+
+    @staticmethod
+    def forward(ctx: Any, gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        c = c.contiguous()
+        h, c_new, acts = torch.ops.captioning_native.lstm_cell(gates.contiguous(), c)
+        ctx.save_for_backward(acts, c)
+        ctx.set_materialize_grads(False)  # a step's c (or h) may reach nothing
+        return h, c_new
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dh: Tensor | None, dc: Tensor | None  # type: ignore[override]
+                 ) -> tuple[Tensor, Tensor]:
+        acts, c = ctx.saved_tensors
+        return torch.ops.captioning_native.lstm_cell_backward(dh, dc, acts, c)
+
+
+def lstm_cell(gates: Tensor, c: Tensor, *, kernel: bool = False) -> tuple[Tensor, Tensor]:
+    """(h, c) of nn.LSTMCell from its gates' pre-activations (b, 4H), order i, f, g, o, and c
+    (b, H) (Eqs. 1-3). `kernel`: by `NativeLSTMCell` where it takes them (float32 CPU tensors,
+    built kernels); else ATen's operations."""
+    if kernel and gates.dtype == c.dtype == torch.float32 and usable(gates):
+        return NativeLSTMCell.apply(gates, c)
+    i, f, g, o = gates.chunk(4, dim=1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
