@@ -59,7 +59,6 @@ class PassGradient:
         self._inputs: list[Tensor] = []
         self._grads: list[Tensor] = []
         self._dense: Tensor | None = None
-        self._fresh: Tensor | None = None  # (N,) bool: rows of `_dense` not written yet
 
     @classmethod
     def through(cls, t: Tensor, *, defer: bool = True,
@@ -78,31 +77,12 @@ class PassGradient:
         self._grads.append(g)
 
     def running_sum(self, dtype: torch.dtype) -> Tensor:
-        """The sum of the steps' row gradients itself, of the tensor's shape, for a step that
-        adds its rows into it in place. Zero-filled once a pass (in `dtype`), not once a
+        """The sum of the steps' row gradients itself, of the tensor's shape, for a kernel that
+        adds a step's rows into it in place. Zero-filled once a pass (in `dtype`), not once a
         step."""
         if self._dense is None:
             self._dense = torch.zeros(self.shape, dtype=dtype, device=self.device)
-        self._settle()
         return self._dense
-
-    def unwritten_sum(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(the sum, `fresh` (N,) bool) for a kernel that writes a row still `fresh` (its
-        first step's gradient, the same bits as added into zeros) and adds into the others,
-        clearing `fresh` for the rows it wrote: no zero-filled pass over the sum. Rows no step
-        wrote are zeroed when the sum is taken."""
-        if self._dense is None:
-            self._dense = torch.empty(self.shape, dtype=dtype, device=self.device)
-            self._fresh = torch.ones(self.shape[0], dtype=torch.bool)
-        elif self._fresh is None:  # zero-filled already: every row may be added to
-            self._fresh = torch.zeros(self.shape[0], dtype=torch.bool)
-        return self._dense, self._fresh
-
-    def _settle(self) -> None:
-        """Zero the rows of the sum that no step wrote."""
-        fresh, self._fresh = self._fresh, None
-        if self._dense is not None and fresh is not None and bool(fresh.any()):
-            self._dense[fresh.to(self._dense.device)] = 0
 
     def add_rows(self, d: Tensor, *, scale: Tensor | None = None) -> None:
         """A step's gradient `d` (times `scale`, broadcast, if given) of the first d.size(0)
@@ -118,7 +98,6 @@ class PassGradient:
         backward starts afresh. Under bf16 autocast the product runs in bf16 (summing in
         float32 inside, as autocast's own products do), rounded once; in float32 under fp16,
         whose range one sum over every step's rows could exceed."""
-        self._settle()
         total, self._dense = self._dense, None
         if self._inputs:
             x, g = torch.cat(self._inputs), torch.cat(self._grads)

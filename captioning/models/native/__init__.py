@@ -166,12 +166,10 @@ class NativeAdditiveScore(torch.autograd.Function):
                  ) -> tuple[Tensor | None, Tensor, Tensor, None, None]:
         keys, q, w1 = ctx.saved_tensors
         sink: PassGradient | None = ctx.keys_grad
-        # rows no caption reads get no gradient: a zero-filled tensor, or the pass's sum, whose
-        # rows the kernel writes at their first step (`fresh`) and adds into after
-        dkeys, fresh = ((keys.new_zeros(keys.shape), None) if sink is None
-                        else sink.unwritten_sum(keys.dtype))
+        # rows no caption reads get no gradient: a zero-filled tensor, or the pass's sum
+        dkeys = keys.new_zeros(keys.shape) if sink is None else sink.running_sum(keys.dtype)
         dq, dw = torch.ops.captioning_native.additive_score_backward(
-            g.contiguous(), keys, q, w1, ctx.rows, dkeys, fresh)
+            g.contiguous(), keys, q, w1, ctx.rows, dkeys)
         dw = dw.view(ctx.w_shape).to(w1.dtype)
         return (None if sink is not None else dkeys), dq.to(q.dtype), dw, None, None
 

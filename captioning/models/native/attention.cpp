@@ -11,8 +11,7 @@
 // (`tanh_rational`):
 //   forward   e_cl = sum_a w_a t_cla
 //   backward  u_cla = g_cl (1 - t_cla^2) w_a
-//             dkeys[rows[c], l] += u_cl  (added into the pass's running sum; a row still
-//                                         `fresh` is written, not added to: no zero-fill),
+//             dkeys[rows[c], l] += u_cl  (added into the pass's running sum),
 //             dq_c = sum_l u_cl,  dw = sum_cl g_cl t_cl
 // t is recomputed in the backward instead of stored: one read of the keys costs less than a
 // write and a read of a (b, L, A) tensor.
@@ -174,18 +173,17 @@ inline void score_backward_vec(const Vec& k, const Vec& q, const Vec& w, const V
 
 // One caption's backward over one grid row k (A values of T) with upstream gradient g: adds
 // into that row's gradient dk (the keys' own row, or a float32 sum over the row's captions),
-// the caption's dq and the part's dw. `fresh`: dk holds nothing yet; it is written as 0 + u
-// (the same bits as adding into zeros), never read.
+// the caption's dq and the part's dw.
 template <typename T, typename D>
 void score_backward_row(const T* k, const float* q, const float* W, float g, D* dk, float* dq,
-                        float* dw, int64_t A, bool fresh) {
+                        float* dw, int64_t A) {
   const int64_t body = A - A % kChunk;
   const Vec gv(g);
   for (int64_t a = 0; a < body; a += kChunk) {
     const int64_t h = a + Vec::size();
-    Vec k0, k1, d0(0.f), d1(0.f);
+    Vec k0, k1, d0, d1;
     load2(k + a, k0, k1);
-    if (!fresh) load2(dk + a, d0, d1);
+    load2(dk + a, d0, d1);
     score_backward_vec(k0, Vec::loadu(q + a), Vec::loadu(W + a), gv, d0, dq + a, dw + a);
     score_backward_vec(k1, Vec::loadu(q + h), Vec::loadu(W + h), gv, d1, dq + h, dw + h);
     store2(dk + a, d0, d1);
@@ -193,7 +191,7 @@ void score_backward_row(const T* k, const float* q, const float* W, float g, D* 
   for (int64_t a = body; a < A; ++a) {
     const float t = tanh_rational(static_cast<float>(k[a]) + q[a]);
     const float uw = g * fmadd(t, -t, 1.f) * W[a];
-    dk[a] = static_cast<D>((fresh ? 0.f : static_cast<float>(dk[a])) + uw);
+    dk[a] = static_cast<D>(static_cast<float>(dk[a]) + uw);
     dq[a] += uw;
     dw[a] = fmadd(g, t, dw[a]);
   }
@@ -202,12 +200,11 @@ void score_backward_row(const T* k, const float* q, const float* W, float g, D* 
 // The grid rows (row, l) of the groups are cut into `parts` fixed ranges, each summing dq and
 // dw into its own buffer of `partial` (parts × (b·A + A)): no buffer depends on which thread
 // runs a range. A grid row read by several captions sums their gradients in float32 first,
-// then adds them into dkeys once; one caption adds straight into it. Fresh[j]: group j's row
-// of dkeys holds nothing yet (written, not added to).
+// then adds them into dkeys once; one caption adds straight into it.
 template <typename T>
 void score_backward(const float* Gup, const T* K, const float* Q, const float* W, T* DK,
-                    float* partial, int64_t parts, const Groups& G, const std::vector<char>& Fresh,
-                    int64_t b, int64_t L, int64_t A) {
+                    float* partial, int64_t parts, const Groups& G, int64_t b, int64_t L,
+                    int64_t A) {
   const int64_t tasks = G.size() * L, per_part = (tasks + parts - 1) / parts;
   at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     std::vector<float> dkf(A);
@@ -221,17 +218,16 @@ void score_backward(const float* Gup, const T* K, const float* Q, const float* W
         T* dk = DK + (G.row[j] * L + l) * A;
         const int64_t* captions = G.order.data() + G.start[j];
         const int64_t count = G.start[j + 1] - G.start[j];
-        const bool fresh = Fresh[j];
         if (count == 1) {
           const int64_t c = captions[0];
-          score_backward_row(k, Q + c * A, W, Gup[c * L + l], dk, dq_all + c * A, dw, A, fresh);
+          score_backward_row(k, Q + c * A, W, Gup[c * L + l], dk, dq_all + c * A, dw, A);
           continue;
         }
-        for (int64_t a = 0; a < A; ++a) dkf[a] = fresh ? 0.f : static_cast<float>(dk[a]);
+        for (int64_t a = 0; a < A; ++a) dkf[a] = static_cast<float>(dk[a]);
         for (int64_t i = 0; i < count; ++i) {
           const int64_t c = captions[i];
           score_backward_row(k, Q + c * A, W, Gup[c * L + l], dkf.data(), dq_all + c * A, dw,
-                             A, false);
+                             A);
         }
         for (int64_t a = 0; a < A; ++a) dk[a] = static_cast<T>(dkf[a]);
       }
@@ -350,24 +346,13 @@ at::Tensor additive_score(const at::Tensor& keys, const at::Tensor& q, const at:
 
 std::tuple<at::Tensor, at::Tensor> additive_score_backward(
     const at::Tensor& g, const at::Tensor& keys, const at::Tensor& q, const at::Tensor& w,
-    const std::optional<at::Tensor>& rows, at::Tensor& dkeys,
-    const std::optional<at::Tensor>& fresh) {
+    const std::optional<at::Tensor>& rows, at::Tensor& dkeys) {
   check_score(keys, q, w);
   TORCH_CHECK(dkeys.sizes() == keys.sizes() && dkeys.scalar_type() == keys.scalar_type() &&
               dkeys.is_contiguous(), "dkeys must be contiguous, of the keys' shape and dtype");
   const int64_t b = q.size(0), L = keys.size(1), A = keys.size(2);
   TORCH_CHECK(g.dim() == 2 && g.size(0) == b && g.size(1) == L, "g must be (b, L)");
   const Groups G = group_by_row(rows, b, keys.size(0));
-  // rows of dkeys that hold nothing yet: written, not added to, and then no longer fresh
-  std::vector<char> first(G.size(), 0);
-  bool* fresh_p = nullptr;
-  if (fresh.has_value() && fresh->defined()) {
-    TORCH_CHECK(fresh->dim() == 1 && fresh->size(0) == keys.size(0) &&
-                fresh->scalar_type() == at::kBool && fresh->is_contiguous() &&
-                fresh->device().is_cpu(), "fresh must be a contiguous (N,) bool CPU tensor");
-    fresh_p = fresh->mutable_data_ptr<bool>();
-    for (int64_t j = 0; j < G.size(); ++j) first[j] = fresh_p[G.row[j]];
-  }
   const at::Tensor gf = g.to(at::kFloat).contiguous(), qf = q.to(at::kFloat).contiguous(),
                    wf = w.to(at::kFloat).contiguous();
   // one range per thread, fewer where there are few grid rows (each at least kGrain of them)
@@ -378,11 +363,8 @@ std::tuple<at::Tensor, at::Tensor> additive_score_backward(
     using T = decltype(zero);
     score_backward<T>(gf.const_data_ptr<float>(), keys.const_data_ptr<T>(),
                       qf.const_data_ptr<float>(), wf.const_data_ptr<float>(),
-                      dkeys.mutable_data_ptr<T>(), partial.data(), parts, G, first, b, L, A);
+                      dkeys.mutable_data_ptr<T>(), partial.data(), parts, G, b, L, A);
   });
-  if (fresh_p != nullptr) {
-    for (int64_t j = 0; j < G.size(); ++j) fresh_p[G.row[j]] = false;
-  }
   at::Tensor dq = at::zeros({b, A}, qf.options()), dw = at::zeros({A}, wf.options());
   float* dq_p = dq.mutable_data_ptr<float>();
   float* dw_p = dw.mutable_data_ptr<float>();
@@ -435,7 +417,7 @@ at::Tensor attention_context_backward(const at::Tensor& dz, const at::Tensor& va
 TORCH_LIBRARY(captioning_native, m) {
   m.def("additive_score(Tensor keys, Tensor q, Tensor w, Tensor? rows) -> Tensor");
   m.def("additive_score_backward(Tensor g, Tensor keys, Tensor q, Tensor w, Tensor? rows, "
-        "Tensor(a!) dkeys, Tensor(b!)? fresh=None) -> (Tensor, Tensor)");
+        "Tensor(a!) dkeys) -> (Tensor, Tensor)");
   m.def("attention_context(Tensor weights, Tensor values, Tensor? rows) -> Tensor");
   m.def("attention_context_backward(Tensor dz, Tensor values, Tensor? rows) -> Tensor");
 }
