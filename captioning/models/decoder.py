@@ -55,7 +55,6 @@ from captioning.models.pass_grads import (
     PassGradient,
     RecurrentProduct,
     autocast_dtype,
-    linear,
     lstm_pass_weights,
 )
 from captioning.models.repeats import per_distinct_row, repeated_rows
@@ -196,13 +195,13 @@ class AttentionLSTMDecoder(nn.Module):
         return "expected" if self.attention_kind == "soft" else self.hard_decode
 
     # -- internals -------------------------------------------------------------------------
-    def _word_gates(self, emb: Tensor, weight: Tensor | None = None, onednn: bool = False
-                    ) -> Tensor:
+    def _word_gates(self, emb: Tensor, weight: Tensor | None = None) -> Tensor:
         """The LSTM gates' part from the previous word, with both biases: (..., E) -> (..., 4H).
         Teacher forcing computes it for every step at once, as one large product, by its
-        `weight` (4H, E) from `_pass_weights` (by oneDNN on the native path)."""
+        `weight` (4H, E) from `_pass_weights`. By MKL, not oneDNN: oneDNN builds a kernel for
+        each new row count, and a pass's word count changes with every batch."""
         w = self.lstm.weight_ih[:, : emb.size(-1)] if weight is None else weight  # (4H, E)
-        return linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh, onednn=onednn)
+        return F.linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh)
 
     def _pass_weights(self) -> tuple[Tensor, Tensor]:
         """The LSTM's word weight (4H, E) and [W_z | W_hh]^T (D + H, 4H), the gates' part from
@@ -301,12 +300,12 @@ class AttentionLSTMDecoder(nn.Module):
         emb = self.embed(pk.gather(captions[:, :T]))  # (N, E): inputs y_0 .. y_{T-1}, packed
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
 
-        trace, onednn = StepTrace(), self.fast_path == "native"  # products by oneDNN
+        trace = StepTrace()
         # (b_t, 4H) a step; split: one backward node
         word_w, recurrent_w = self._pass_weights()
-        word_gates = self._word_gates(emb, word_w, onednn).split(pk.running)
+        word_gates = self._word_gates(emb, word_w).split(pk.running)
         # Gradients of W and the keys, summed over the steps in one place (models.pass_grads)
-        recurrent = RecurrentProduct(recurrent_w, onednn=onednn)
+        recurrent = RecurrentProduct(recurrent_w, onednn=self.fast_path == "native")
         keys, keys_grad = PassGradient.through(memory.keys)
         mem_t = memory = memory._replace(keys=keys)
         ue = use_expected
