@@ -22,6 +22,7 @@ import captioning.models.decoder as decoder_module
 from captioning.models import native
 from captioning.models.attention import AdditiveAttention, AdditiveScore
 from captioning.models.decoder import AttentionLSTMDecoder
+from captioning.models.decoding import beam_search, greedy_search, sample_search
 from captioning.models.fast_path import resolve_fast_path
 from captioning.models.pass_grads import PassGradient
 from captioning.models.state import Memory
@@ -320,6 +321,7 @@ def test_a_machine_that_cannot_build_it_trains_with_the_aten_ops() -> None:
         cpp_extension.load = no_compiler
         logging.basicConfig(level=logging.WARNING)
         from captioning.models.decoder import AttentionLSTMDecoder
+from captioning.models.decoding import beam_search, greedy_search, sample_search
         dec = AttentionLSTMDecoder(vocab_size=12, feature_dim=8, embed_dim=6, hidden_dim=6,
                                    attn_dim=5)
         dec.use_fast_path("native")
@@ -442,6 +444,16 @@ def test_the_kernel_builds_and_scores_right_at_every_vector_width(capability: st
         torch.testing.assert_close(ops.additive_score(low, q, w, None).double(), e.detach(),
                                    rtol=1e-2, atol=2e-2)
         torch.testing.assert_close(dkeys.double(), k64.grad, rtol=1e-2, atol=1e-2)
+        gates, c = torch.randn(9, 4 * 37, generator=g), torch.randn(9, 37, generator=g)
+        g64, c64 = gates.double().requires_grad_(), c.double().requires_grad_()
+        i, f, gg, o = g64.chunk(4, dim=1)  # the LSTM cell, a vector body and a tail
+        c_ref = f.sigmoid() * c64 + i.sigmoid() * gg.tanh()
+        h_ref = o.sigmoid() * c_ref.tanh()
+        (h_ref * 2 + c_ref).sum().backward()
+        h, c_new, acts = ops.lstm_cell(gates, c)
+        dgates, dc = ops.lstm_cell_backward(torch.full_like(h, 2.0), torch.ones_like(h), acts, c)
+        for got, ref in ((h, h_ref), (c_new, c_ref), (dgates, g64.grad), (dc, c64.grad)):
+            torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-5)
         print("equal")
     """, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -470,9 +482,10 @@ def test_the_lstm_cell_kernel_equals_the_formula_and_its_gradients(H: int, upstr
     the gradients of the gates and of c_{t-1} to 1e-5, with either output's gradient absent
     (a step whose c or h reaches nothing)."""
     g = torch.Generator().manual_seed(6)
-    gates0 = torch.randn(5, 4 * H, generator=g) * 3  # saturating gates too
-    c0 = torch.randn(5, H, generator=g) * 2
-    dh, dc = torch.randn(5, H, generator=g), torch.randn(5, H, generator=g)
+    b = 37  # rows over several threads' tasks
+    gates0 = torch.randn(b, 4 * H, generator=g) * 3  # saturating gates too
+    c0 = torch.randn(b, H, generator=g) * 2
+    dh, dc = torch.randn(b, H, generator=g), torch.randn(b, H, generator=g)
 
     def run(fn: Any, dtype: torch.dtype) -> tuple[Tensor, ...]:
         gates, c = (x.to(dtype, copy=True).requires_grad_() for x in (gates0, c0))
@@ -504,3 +517,36 @@ def test_the_native_decoder_steps_its_cell_by_the_kernel(monkeypatch: pytest.Mon
         dec(feats, caps, lengths).logits.sum().backward()
     steps = (lengths - 1).clamp_min(0)
     assert calls == [int((steps > t).sum()) for t in range(int(steps.max()))]
+
+
+@pytest.mark.usefixtures("built")
+def test_decoding_on_the_native_path_equals_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy and beam search, and sampling with gradients (SCST's policy), step through the
+    native kernels, the cell's included: `off`'s captions, their scores to 1e-5 and the sampled
+    captions' gradients to 1e-4 relative."""
+    calls: list[int] = []
+    apply = native.NativeLSTMCell.apply
+    monkeypatch.setattr(native.NativeLSTMCell, "apply",
+                        lambda *a: (calls.append(1), apply(*a))[1])
+    dec, feats, _, _, _ = decoder_and_batch((4, 9, 16, 16), 0.0)
+    dec.eval()
+    runs = {}
+    for mode in ("off", "native"):
+        dec.use_fast_path(mode)  # type: ignore[arg-type]
+        dec.zero_grad()
+        with torch.no_grad():
+            found = [greedy_search(dec, feats, max_len=7),
+                     beam_search(dec, feats, beam_size=3, max_len=7)]
+        sampled = sample_search(dec, feats, num_samples=2, max_len=6, grad=True,
+                                generator=torch.Generator().manual_seed(0))
+        assert sampled.token_log_probs is not None
+        sampled.token_log_probs.sum().backward()
+        runs[mode] = ([*found, sampled], [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                                          for p in dec.parameters()])
+        assert bool(calls) == (mode == "native")
+    (off, off_grads), (fast, fast_grads) = runs["off"], runs["native"]
+    for a, b in zip(off, fast):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
+        torch.testing.assert_close(a.scores, b.scores, rtol=1e-5, atol=1e-5)
+    for a, b in zip(off_grads, fast_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -73,8 +73,11 @@ class Scorer(nn.Module):
 
     def project(self, features: Tensor, *, onednn: bool = False) -> Tensor:
         """Keys of every location: (B, L, D) -> (B, L, K). Computed once, reused each step.
-        `onednn`: W_a's product by oneDNN where it takes it (`pass_grads.linear`)."""
-        return self.deep(linear(features, self.key.weight, self.key.bias, onednn=onednn))
+        `onednn`: W_a's product by oneDNN where it takes it (`pass_grads.linear`), the `key`
+        module's hooks not run."""
+        if not onednn:
+            return self.deep(self.key(features))
+        return self.deep(linear(features, self.key.weight, self.key.bias, onednn=True))
 
     def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
                 rows: Tensor | None = None) -> Tensor:

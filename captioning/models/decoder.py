@@ -172,8 +172,9 @@ class AttentionLSTMDecoder(nn.Module):
         """Teacher forcing over fixed shapes: `compile` (torch.compile, any device), `graphs`
         (torch.compile reduce-overhead: CUDA graphs) or `off` (the shrinking eager loop).
         Lengths are padded up to a multiple of `bucket` steps: one compiled graph per bucket.
-        `native`: the eager loop with attention's native CPU kernels (captioning.models.native);
-        `off` where the scorer has none or they cannot be built here."""
+        `native`: the eager loop with native CPU kernels (captioning.models.native: attention's
+        score and context, the LSTM cell), for decoding steps too; `off` where the scorer has
+        none or they cannot be built here."""
         check_choice("fast_path", mode, FastPath)
         if bucket < 1:
             raise ValueError(f"fast_path bucket must be >= 1, got {bucket}")

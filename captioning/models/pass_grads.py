@@ -145,9 +145,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
            onednn: bool = False) -> Tensor:
     """F.linear. `onednn`: a float32 product by oneDNN where it takes it (`onednn_usable`): at a
     pass's thousands of rows (the keys of a batch's grids) 12% faster than MKL's on this
-    project's CPU, with no copy of the bias into the output (docs/benchmarks.md, part 9);
-    within 1e-6 relative of F.linear's. oneDNN builds a kernel for each new shape (about 1 ms,
-    and memory kept): for products whose rows take few distinct counts."""
+    project's CPU, with no copy of the bias into the output (docs/benchmarks.md, part 9); equal
+    to F.linear's to float32 rounding (the decoder's loss on the native path to 1e-5). oneDNN
+    builds a kernel for each new shape (about 1 ms, and memory kept): for products whose rows
+    take few distinct counts."""
     if onednn and x.dtype == torch.float32 and onednn_usable(weight):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)

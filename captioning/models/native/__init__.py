@@ -1,4 +1,5 @@
-"""Native CPU kernels for attention's per-word work, compiled on this machine on first use.
+"""Native CPU kernels for a decoder step's elementwise work (attention's score and context, the
+LSTM cell), compiled on this machine on first use.
 
 On the CPU, the additive score w^T tanh(k_i + q) (Eq. 4) is the largest cost of a training step
 after the products: its elementwise work over the (b, L, A) grid at every word is bound by
@@ -12,7 +13,7 @@ through `rows` (caption c reads row rows[c]), so that the captions of one image 
 and annotations once, from cache, and sum the keys' gradient into one row: the decoder's
 teacher-forced pass keeps one row per distinct image (`Memory.rows`). `cell.cpp` runs the LSTM
 cell's elementwise update (Eqs. 1-3) in one operation each way, where autograd takes some twenty
-(`lstm_cell`), in float32.
+(`lstm_cell`), in float32, in the teacher-forced pass and in every decoding step alike.
 
 `available()` loads them once per process, building with `torch.utils.cpp_extension` (a C++
 compiler and ninja) where they are not built yet: 10 to 30 s, once per machine, torch version
@@ -123,7 +124,7 @@ def build(build_root: Path | None = None) -> None:
         cpp_extension.load(name=name, sources=[str(f) for f in sources], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], build_directory=str(folder),
                            is_python_module=False, verbose=False)
-    log.debug("native attention kernels loaded in %.1f s (%s)", time.monotonic() - start, folder)
+    log.debug("native CPU kernels loaded in %.1f s (%s)", time.monotonic() - start, folder)
 
 
 @functools.cache
@@ -136,7 +137,7 @@ def available() -> bool:
         build()
     except Exception as err:  # no compiler, no ninja, no headers: the ATen ops instead
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        log.warning("the native CPU attention kernels could not be built (%s); training uses the "
+        log.warning("the native CPU kernels could not be built (%s); training uses the "
                     "slower ATen operations instead", first)
         return False
     return True

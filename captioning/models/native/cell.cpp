@@ -20,6 +20,7 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace {
 
@@ -78,11 +79,19 @@ void check_cell(const at::Tensor& t, int64_t rows, int64_t cols, const char* nam
               "), got ", t.sizes());
 }
 
+// (b, H) of c_{t-1}, checked to be a 2-d tensor first
+std::pair<int64_t, int64_t> cell_shape(const at::Tensor& c) {
+  TORCH_CHECK(c.dim() == 2, "c must be (b, H), got ", c.sizes());
+  return {c.size(0), c.size(1)};
+}
+
 }  // namespace
+
+namespace captioning_native {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_cell(const at::Tensor& gates,
                                                           const at::Tensor& c) {
-  const int64_t b = c.size(0), H = c.size(1);
+  const auto [b, H] = cell_shape(c);
   check_cell(c, b, H, "c");
   check_cell(gates, b, 4 * H, "gates");
   at::Tensor h = at::empty({b, H}, c.options()), cn = at::empty({b, H}, c.options()),
@@ -110,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_backward(const std::optional<at::Te
                                                       const std::optional<at::Tensor>& dc,
                                                       const at::Tensor& acts,
                                                       const at::Tensor& c) {
-  const int64_t b = c.size(0), H = c.size(1);
+  const auto [b, H] = cell_shape(c);
   check_cell(c, b, H, "c");
   check_cell(acts, b, 5 * H, "acts");
   const bool has_h = dh.has_value() && dh->defined(), has_c = dc.has_value() && dc->defined();
@@ -141,12 +150,14 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_backward(const std::optional<at::Te
   return {dgates, dprev};
 }
 
+}  // namespace captioning_native
+
 TORCH_LIBRARY_FRAGMENT(captioning_native, m) {
   m.def("lstm_cell(Tensor gates, Tensor c) -> (Tensor, Tensor, Tensor)");
   m.def("lstm_cell_backward(Tensor? dh, Tensor? dc, Tensor acts, Tensor c) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(captioning_native, CPU, m) {
-  m.impl("lstm_cell", &lstm_cell);
-  m.impl("lstm_cell_backward", &lstm_cell_backward);
+  m.impl("lstm_cell", &captioning_native::lstm_cell);
+  m.impl("lstm_cell_backward", &captioning_native::lstm_cell_backward);
 }
