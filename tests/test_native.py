@@ -321,7 +321,6 @@ def test_a_machine_that_cannot_build_it_trains_with_the_aten_ops() -> None:
         cpp_extension.load = no_compiler
         logging.basicConfig(level=logging.WARNING)
         from captioning.models.decoder import AttentionLSTMDecoder
-from captioning.models.decoding import beam_search, greedy_search, sample_search
         dec = AttentionLSTMDecoder(vocab_size=12, feature_dim=8, embed_dim=6, hidden_dim=6,
                                    attn_dim=5)
         dec.use_fast_path("native")
