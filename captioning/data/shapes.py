@@ -239,9 +239,8 @@ def parse_objects(caption: str) -> set[tuple[str, str]]:
     tokens = tokenize(caption)
     found: set[tuple[str, str]] = set()
     for t, tok in enumerate(tokens):
-        colour = bound_colour(tokens, t, colours=_COLOR_SET, sizes=_SIZE_SET) \
-            if tok in _SHAPE_WORDS else None
-        if colour is not None:
+        if tok in _SHAPE_WORDS and (
+                colour := bound_colour(tokens, t, colours=_COLOR_SET, sizes=_SIZE_SET)):
             found.add((colour, _SHAPE_WORDS[tok]))
     return found
 

@@ -31,14 +31,20 @@ inline Vec sigmoid(const Vec& x) { return (Vec(1.f) + x.neg().exp()).reciprocal(
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline Vec tanh_(const Vec& x) { return x.tanh(); }
 inline float tanh_(float x) { return std::tanh(x); }
+// a vector of floats (a row's body) or one float (its tail)
+template <typename V> V load(const float* p);
+template <> inline Vec load<Vec>(const float* p) { return Vec::loadu(p); }
+template <> inline float load<float>(const float* p) { return *p; }
+inline void store(const Vec& v, float* p) { v.store(p); }
+inline void store(float v, float* p) { *p = v; }
 
 // One row: gates G (4H), c_{t-1} C (H) -> h, c_t, activations A (5H).
 template <typename V>
 inline void forward_at(const float* G, const float* C, float* h, float* c, float* A, int64_t H,
-                       int64_t a, V load(const float*), void store(const V&, float*)) {
-  const V i = sigmoid(load(G + a)), f = sigmoid(load(G + H + a));
-  const V g = tanh_(load(G + 2 * H + a)), o = sigmoid(load(G + 3 * H + a));
-  const V cn = f * load(C + a) + i * g;
+                       int64_t a) {
+  const V i = sigmoid(load<V>(G + a)), f = sigmoid(load<V>(G + H + a));
+  const V g = tanh_(load<V>(G + 2 * H + a)), o = sigmoid(load<V>(G + 3 * H + a));
+  const V cn = f * load<V>(C + a) + i * g;
   const V tc = tanh_(cn);
   store(o * tc, h + a);
   store(cn, c + a);
@@ -49,24 +55,18 @@ inline void forward_at(const float* G, const float* C, float* h, float* c, float
   store(tc, A + 4 * H + a);
 }
 
-inline Vec load_v(const float* p) { return Vec::loadu(p); }
-inline void store_v(const Vec& v, float* p) { v.store(p); }
-inline float load_s(const float* p) { return *p; }
-inline void store_s(const float& v, float* p) { *p = v; }
-
 // One row's backward at column a: upstream dh, dc (nullptr: zero), activations A (5H),
 // c_{t-1} C -> dgates D (4H), dc_{t-1} E.
 template <typename V>
 inline void backward_at(const float* dh, const float* dc, const float* A, const float* C,
-                        float* D, float* E, int64_t H, int64_t a, V load(const float*),
-                        void store(const V&, float*)) {
+                        float* D, float* E, int64_t H, int64_t a) {
   const V one(1.f), zero(0.f);
-  const V i = load(A + a), f = load(A + H + a), g = load(A + 2 * H + a);
-  const V o = load(A + 3 * H + a), tc = load(A + 4 * H + a);
-  const V up_h = dh ? load(dh + a) : zero;
-  const V d = (dc ? load(dc + a) : zero) + up_h * o * (one - tc * tc);
+  const V i = load<V>(A + a), f = load<V>(A + H + a), g = load<V>(A + 2 * H + a);
+  const V o = load<V>(A + 3 * H + a), tc = load<V>(A + 4 * H + a);
+  const V up_h = dh ? load<V>(dh + a) : zero;
+  const V d = (dc ? load<V>(dc + a) : zero) + up_h * o * (one - tc * tc);
   store(d * g * i * (one - i), D + a);
-  store(d * load(C + a) * f * (one - f), D + H + a);
+  store(d * load<V>(C + a) * f * (one - f), D + H + a);
   store(d * i * (one - g * g), D + 2 * H + a);
   store(up_h * tc * o * (one - o), D + 3 * H + a);
   store(d * f, E + a);
@@ -105,10 +105,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_cell(const at::Tensor& gates
       const float *g = G + r * 4 * H, *cr = C + r * H;
       float *hr = hp + r * H, *cr_new = cp + r * H, *ar = A + r * 5 * H;
       for (int64_t a = 0; a < body; a += Vec::size()) {
-        forward_at<Vec>(g, cr, hr, cr_new, ar, H, a, load_v, store_v);
+        forward_at<Vec>(g, cr, hr, cr_new, ar, H, a);
       }
       for (int64_t a = body; a < H; ++a) {
-        forward_at<float>(g, cr, hr, cr_new, ar, H, a, load_s, store_s);
+        forward_at<float>(g, cr, hr, cr_new, ar, H, a);
       }
     }
   });
@@ -140,10 +140,10 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_backward(const std::optional<at::Te
       const float *ar = A + r * 5 * H, *cr = C + r * H;
       float *dr = D + r * 4 * H, *er = E + r * H;
       for (int64_t a = 0; a < body; a += Vec::size()) {
-        backward_at<Vec>(dhr, dcr, ar, cr, dr, er, H, a, load_v, store_v);
+        backward_at<Vec>(dhr, dcr, ar, cr, dr, er, H, a);
       }
       for (int64_t a = body; a < H; ++a) {
-        backward_at<float>(dhr, dcr, ar, cr, dr, er, H, a, load_s, store_s);
+        backward_at<float>(dhr, dcr, ar, cr, dr, er, H, a);
       }
     }
   });
