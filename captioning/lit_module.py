@@ -164,8 +164,8 @@ class CaptioningModule(L.LightningModule):
 
     def losses(self, batch: Any, features: Tensor | None = None) -> dict[str, Tensor]:
         """The objective's named loss parts for a batch (`loss` is optimised)."""
-        if features is None:
-            features = self.captioner.encode(batch.images)
+        if features is None:  # cached float16 grids stay so (`Captioner.encode`)
+            features = self.captioner.encode(batch.images, keep_half=True)
         return self.objective(self.captioner, features, batch)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:

@@ -100,6 +100,7 @@ def test_captioner_casts_float16_grids_for_every_consumer() -> None:
     grids = torch.randn(2, 4, 512).half()
     out = captioner.encode(grids)
     assert out.dtype == torch.float32 and torch.equal(out, grids.float())
+    assert captioner.encode(grids, keep_half=True) is grids  # the teacher-forced pass's
     features = torch.randn(2, 4, 512)
     assert captioner.encode(features) is features
     with torch.no_grad():  # decoding cached grids directly (beam benchmark, predict) works

@@ -20,7 +20,7 @@ from torch import Tensor
 
 import captioning.models.decoder as decoder_module
 from captioning.models import native
-from captioning.models.attention import AdditiveAttention, AdditiveScore
+from captioning.models.attention import AdditiveAttention, AdditiveScore, context
 from captioning.models.decoder import AttentionLSTMDecoder
 from captioning.models.decoding import beam_search, greedy_search, sample_search
 from captioning.models.fast_path import resolve_fast_path
@@ -162,6 +162,58 @@ def test_the_context_kernel_equals_the_weighted_sum(D: int, dtype: torch.dtype) 
         torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=grad_tol, atol=grad_tol)
     with pytest.raises(ValueError, match="no gradient of the annotations"):
         native.NativeContext.apply(weights, values.float().requires_grad_(), None)
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("D", [64, 37], ids=["vector-width", "with-a-tail"])
+def test_the_context_kernel_reads_a_float16_grid_as_the_float32_it_holds(D: int) -> None:
+    """A cached float16 grid: z (float32) and the weights' gradient equal, to the bit, those of
+    the same grid in float32; the ATen fallback (no `rows`) gives float32 too."""
+    g = torch.Generator().manual_seed(6)
+    half = (torch.randn(4, 49, D, generator=g) * 3).half()
+    rows = torch.tensor([2, 0, 2, 3, 2])
+    weights = torch.softmax(torch.randn(5, 49, generator=g), -1)
+    up = torch.randn(5, D, generator=g)
+    got = []
+    for values in (half, half.float()):
+        w = weights.clone().requires_grad_()
+        z = native.NativeContext.apply(w, values, rows)
+        z.backward(up)
+        got.append((z, w.grad))
+    (z16, dw16), (z32, dw32) = got
+    assert z16.dtype == torch.float32 and torch.equal(z16, z32) and torch.equal(dw16, dw32)
+    fallback = context(weights, half[rows])  # (b, L, D), one row a caption
+    assert fallback.dtype == torch.float32
+    torch.testing.assert_close(fallback, z32, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("mode", ["native", "off"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["distinct", "by-image"])
+def test_the_pass_reads_a_float16_grid_as_float32_to_the_bit(mode: str, grouped: bool,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """The teacher-forced pass of a cached float16 grid (`Captioner.encode(keep_half=True)`)
+    equals the pass of the same grid in float32: logits, α and every gradient, to the bit. On
+    the native path the context kernel reads the float16 grid itself."""
+    dec, feats, caps, lengths, _ = decoder_and_batch((10, 49, 24, 20), 0.5, grouped=grouped)
+    dec.use_fast_path(mode)  # type: ignore[arg-type]
+    half = feats.half()
+    read: list[torch.dtype] = []
+    apply = native.NativeContext.apply
+    monkeypatch.setattr(native.NativeContext, "apply", staticmethod(
+        lambda w, v, rows: read.append(v.dtype) or apply(w, v, rows)))
+    runs = []
+    for grid in (half, half.float()):
+        dec.zero_grad()
+        torch.manual_seed(3)  # the same dropout masks
+        out = dec(grid, caps, lengths)
+        (out.logits.pow(2).mean() + out.alphas.pow(2).mean()).backward()
+        runs.append([out.logits, out.alphas, *(p.grad for p in dec.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    n = len(read) // 2
+    assert read == ([torch.float16] * n + [torch.float32] * n if mode == "native" else [])
+    assert n > 0 or mode == "off"
 
 
 @pytest.mark.usefixtures("built")

@@ -209,14 +209,16 @@ class Captioner(nn.Module):
         """(gh, gw) of the annotation grid."""
         return self.encoder.grid_shape(self.config.image_size)
 
-    def encode(self, images: Tensor) -> Tensor:
+    def encode(self, images: Tensor, *, keep_half: bool = False) -> Tensor:
         """(B, 3, H, W) images -> (B, L, D) annotations; (B, L, D) cached features pass through.
 
         Cached grids travel as float16 (half the bytes); compute starts from float32 here, the
-        one place every consumer (training, decoding, benchmarks) goes through.
+        one place every consumer (training, decoding, benchmarks) goes through. `keep_half`:
+        they stay float16, for the teacher-forced pass (`AttentionLSTMDecoder.forward`), which
+        reads them as the float32 values they hold.
         """
         if images.dim() == 3:
-            return images.float() if images.dtype == torch.float16 else images
+            return images.float() if images.dtype == torch.float16 and not keep_half else images
         if self.encoder.trainable:
             return self.encoder(images)
         return per_distinct_row(images, self.encoder)  # frozen: once per distinct image
@@ -229,7 +231,7 @@ class Captioner(nn.Module):
 
     def forward(self, images: Tensor, captions: Tensor, lengths: Tensor) -> DecoderOutput:
         """Teacher-forced pass: captions (B, T+1) start with <start>; lengths include specials."""
-        return self.decoder(self.encode(images), captions, lengths)
+        return self.decoder(self.encode(images, keep_half=True), captions, lengths)
 
     def generate(self, images: Tensor, decode: DecodeConfig = DecodeConfig(), *,
                  grad: bool = False, generator: torch.Generator | None = None) -> Generation:

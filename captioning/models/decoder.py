@@ -149,7 +149,7 @@ class AttentionLSTMDecoder(nn.Module):
 
     def init_state(self, memory: Memory) -> DecoderState:
         """c_0 = f_init,c(mean a_i), h_0 = f_init,h(mean a_i) (§3.1.2)."""
-        mean = memory.values.mean(dim=1)  # (B, D), or (N, D) with rows
+        mean = memory.values.mean(dim=1, dtype=_wide(memory.values.dtype))  # (B, D) or (N, D)
         if memory.rows is not None:
             mean = mean.index_select(0, memory.rows)
         mean = self.init_trunk(mean)
@@ -274,7 +274,8 @@ class AttentionLSTMDecoder(nn.Module):
     # -- teacher forcing -------------------------------------------------------------------
     def forward(self, features: Tensor, captions: Tensor, lengths: Tensor, *,
                 rule: SelectRule | None = None) -> DecoderOutput:
-        """features (B, L, D); captions (B, T+1) starting with <start>; lengths (B,) incl. specials.
+        """features (B, L, D), float16 for a cached grid (read as the float32 values it holds);
+        captions (B, T+1) starting with <start>; lengths (B,) incl. specials.
 
         `rule` forces one weight rule for every caption (no semi-sampling); by default soft
         uses the expected context, and hard samples while training and decodes otherwise.
@@ -282,7 +283,8 @@ class AttentionLSTMDecoder(nn.Module):
         steps = (lengths - 1).clamp_min(0)  # words to predict per caption
         rule, semi = self._training_rule() if rule is None else (rule, False)
         if self._fixed is not None and captions.size(1) > 1:
-            return self._forward_fixed(features, captions, steps, rule, semi)
+            return self._forward_fixed(features.to(_wide(features.dtype)), captions, steps,
+                                       rule, semi)
         steps_cpu = steps.tolist()
         # The loop runs the captions longest first; outputs come back in the batch's order.
         order = sorted(range(len(steps_cpu)), key=lambda i: -steps_cpu[i])
@@ -344,9 +346,10 @@ class AttentionLSTMDecoder(nn.Module):
         Else `memory` of the reordered batch."""
         dtype = autocast_dtype(features)  # cast once, for the keys and every step's context
         if (self.fast_path != "native" or features.device.type != "cpu"
-                or (dtype or features.dtype) not in native.DTYPES
+                or (dtype or _wide(features.dtype)) not in native.DTYPES
                 or (features.requires_grad and torch.is_grad_enabled())):
-            return self.memory(features if perm is None else features[perm])
+            features = features if perm is None else features[perm]
+            return self.memory(features.to(_wide(features.dtype)))
         found = repeated_rows(features)
         if found is None:
             rows = torch.arange(features.size(0))
@@ -356,7 +359,10 @@ class AttentionLSTMDecoder(nn.Module):
             rows = rows.index_select(0, perm)
         if dtype is not None:
             features = features.to(dtype)
-        return Memory(features, self.attention.project(features, onednn=True), rows)
+        # A float16 grid stays so for the context kernel (half the bytes read a word); the keys'
+        # product takes the float32 values it holds.
+        keys = self.attention.project(features.to(_wide(features.dtype)), onednn=True)
+        return Memory(features, keys, rows)
 
     def _no_words(self, features: Tensor, B: int, rule: SelectRule, semi: bool
                   ) -> DecoderOutput:
@@ -437,6 +443,11 @@ def check_settings(*, attention: str, hard_decode: str, semi_sampling: str,
         raise ValueError(f"semi_sampling_prob must be in [0, 1], got {semi_sampling_prob}")
     if n_layers_init < 1:
         raise ValueError(f"n_layers_init must be >= 1, got {n_layers_init}")
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a grid is computed in: float32 for a float16 (cached) grid, else its own."""
+    return torch.float32 if dtype == torch.float16 else dtype
 
 
 def _init_trunk(dim: int, n_layers: int, dropout: float) -> nn.Sequential:

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 #: The kernels' sources: attention's score and context, and the LSTM cell.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "cell.cpp"))
 DTYPES = (torch.float32, torch.bfloat16)  # the kernels' grids; others run the ATen ops
+#: The context's annotations may also be float16: a cached grid, read as the float32 it holds.
+VALUE_DTYPES = (*DTYPES, torch.float16)
 
 #: Compiler flags for each vector width torch reports (ATen's own Vectorized types follow them).
 _ARCH_FLAGS = {
@@ -143,10 +145,11 @@ def available() -> bool:
     return True
 
 
-def usable(grid: Tensor) -> bool:
-    """Whether the kernels can read this grid (keys or annotations): built, on the CPU, float32
-    or bfloat16."""
-    return grid.device.type == "cpu" and grid.dtype in DTYPES and available()
+def usable(grid: Tensor, *, values: bool = False) -> bool:
+    """Whether the kernels can read this grid: built, on the CPU, float32 or bfloat16; float16
+    too for the context's annotations (`values`)."""
+    return (grid.device.type == "cpu" and grid.dtype in (VALUE_DTYPES if values else DTYPES)
+            and available())
 
 
 class NativeAdditiveScore(torch.autograd.Function):
@@ -177,8 +180,8 @@ class NativeAdditiveScore(torch.autograd.Function):
 
 class NativeContext(torch.autograd.Function):
     """z_c = Σ_i w_ci a_{rows[c], i} (Eq. 6): weights (b, L) and annotations (N, L, D) that take
-    no gradient (a frozen grid) -> (b, D) in the annotations' dtype; the gradient of the
-    weights only."""
+    no gradient (a frozen grid) -> (b, D) in the annotations' dtype (float32 for float16, whose
+    values it reads exactly); the gradient of the weights only."""
 
     @staticmethod
     def forward(ctx: Any, weights: Tensor, values: Tensor,  # type: ignore[override]

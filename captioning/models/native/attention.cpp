@@ -17,8 +17,9 @@
 // write and a read of a (b, L, A) tensor.
 //
 // The context z_c = sum_l w_cl v[rows[c], l] (Eq. 6), weights (b, L) in float32, values in
-// float32 or bfloat16 (z in the values' dtype), and its backward dw_cl = dz_c . v[rows[c], l]
-// (the values themselves take no gradient here: a frozen grid).
+// float32 or bfloat16 (z in the values' dtype) or float16 (z in float32: a cached float16 grid
+// read as the float32 values it holds exactly, at half the bytes), and its backward
+// dw_cl = dz_c . v[rows[c], l] (the values themselves take no gradient here: a frozen grid).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +31,7 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -46,6 +48,9 @@ inline void load2(const float* p, Vec& lo, Vec& hi) {
 }
 inline void load2(const at::BFloat16* p, Vec& lo, Vec& hi) {
   at::vec::load_to_float<at::BFloat16>(p, lo, hi);
+}
+inline void load2(const at::Half* p, Vec& lo, Vec& hi) {
+  at::vec::load_to_float<at::Half>(p, lo, hi);
 }
 inline void store2(float* p, const Vec& lo, const Vec& hi) {
   lo.store(p);
@@ -239,8 +244,13 @@ void score_backward(const float* Gup, const T* K, const float* Q, const float* W
 
 // Each task: one group and kCols columns of the values, summed over the grid for every caption
 // of the group in float32.
+// z's element type for values of type T: float16 values give float32
 template <typename T>
-void context_forward(const float* Wt, const T* V, T* Z, const Groups& G, int64_t L, int64_t D) {
+using ContextOut = std::conditional_t<std::is_same_v<T, at::Half>, float, T>;
+
+template <typename T>
+void context_forward(const float* Wt, const T* V, ContextOut<T>* Z, const Groups& G, int64_t L,
+                     int64_t D) {
   const int64_t chunks = (D + kCols - 1) / kCols;
   at::parallel_for(0, G.size() * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(G.largest * kCols);
@@ -261,17 +271,19 @@ void context_forward(const float* Wt, const T* V, T* Z, const Groups& G, int64_t
             at::vec::fmadd(wv, v0, Vec::loadu(z + d)).store(z + d);
             at::vec::fmadd(wv, v1, Vec::loadu(z + d + Vec::size())).store(z + d + Vec::size());
           }
-          for (int64_t d = body; d < n; ++d) z[d] += w * static_cast<float>(v[d]);
+          // explicit fma in the tails: the same rounding for every element type (the compiler
+          // contracts a * b + c for some and not others)
+          for (int64_t d = body; d < n; ++d) z[d] = std::fma(w, static_cast<float>(v[d]), z[d]);
         }
       }
       for (int64_t i = 0; i < count; ++i) {
         const float* z = acc.data() + i * kCols;
-        T* out = Z + G.order[first + i] * D + d0;
+        ContextOut<T>* out = Z + G.order[first + i] * D + d0;
         int64_t d = 0;
         for (; d < body; d += kChunk) {
           store2(out + d, Vec::loadu(z + d), Vec::loadu(z + d + Vec::size()));
         }
-        for (; d < n; ++d) out[d] = static_cast<T>(z[d]);
+        for (; d < n; ++d) out[d] = static_cast<ContextOut<T>>(z[d]);
       }
     }
   });
@@ -296,7 +308,7 @@ void context_backward(const float* DZ, const T* V, float* DW, const Groups& G, i
           acc1 = at::vec::fmadd(Vec::loadu(dz + d + Vec::size()), v1, acc1);
         }
         float sum = sum_all(acc0 + acc1);
-        for (int64_t d = body; d < D; ++d) sum += dz[d] * static_cast<float>(v[d]);
+        for (int64_t d = body; d < D; ++d) sum = std::fma(dz[d], static_cast<float>(v[d]), sum);
         DW[c * L + l] = sum;
       }
     }
@@ -305,10 +317,12 @@ void context_backward(const float* DZ, const T* V, float* DW, const Groups& G, i
 
 // ---- checks and entry points ----------------------------------------------------------------
 
-void check_grid(const at::Tensor& grid, const char* name) {
+// keys: float32 or bfloat16; values (`half`): float16 too
+void check_grid(const at::Tensor& grid, const char* name, bool half = false) {
+  const auto type = grid.scalar_type();
   TORCH_CHECK(grid.dim() == 3, name, " must be (N, L, width)");
-  TORCH_CHECK(grid.scalar_type() == at::kFloat || grid.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16");
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || (half && type == at::kHalf), name,
+              half ? " must be float32, bfloat16 or float16" : " must be float32 or bfloat16");
   TORCH_CHECK(grid.is_contiguous(), name, " must be contiguous");
 }
 
@@ -319,11 +333,17 @@ void check_score(const at::Tensor& keys, const at::Tensor& q, const at::Tensor& 
               "shapes do not match: keys ", keys.sizes(), ", q ", q.sizes(), ", w ", w.sizes());
 }
 
-// f(T{}) with T the grid's element type, float or at::BFloat16
-template <typename F>
+// f(T{}) with T the grid's element type: float or at::BFloat16, and at::Half where `kHalf`
+template <bool kHalf = false, typename F>
 void dispatch(const at::Tensor& grid, F f) {
   if (grid.scalar_type() == at::kFloat) {
     f(float{});
+  } else if constexpr (kHalf) {
+    if (grid.scalar_type() == at::kHalf) {
+      f(at::Half{});
+    } else {
+      f(at::BFloat16{});
+    }
   } else {
     f(at::BFloat16{});
   }
@@ -377,7 +397,7 @@ std::tuple<at::Tensor, at::Tensor> additive_score_backward(
 }
 
 void check_context(const at::Tensor& per_caption, const at::Tensor& values, int64_t width) {
-  check_grid(values, "values");
+  check_grid(values, "values", /*half=*/true);
   TORCH_CHECK(per_caption.dim() == 2 && per_caption.size(1) == width,
               "shapes do not match: ", per_caption.sizes(), " against values ", values.sizes());
 }
@@ -388,11 +408,12 @@ at::Tensor attention_context(const at::Tensor& weights, const at::Tensor& values
   const int64_t b = weights.size(0), L = values.size(1), D = values.size(2);
   const Groups G = group_by_row(rows, b, values.size(0));
   const at::Tensor wf = weights.to(at::kFloat).contiguous();
-  at::Tensor z = at::empty({b, D}, values.options());
-  dispatch(values, [&](auto zero) {
+  const auto half = values.scalar_type() == at::kHalf;
+  at::Tensor z = at::empty({b, D}, values.options().dtype(half ? at::kFloat : values.scalar_type()));
+  dispatch<true>(values, [&](auto zero) {
     using T = decltype(zero);
     context_forward<T>(wf.const_data_ptr<float>(), values.const_data_ptr<T>(),
-                       z.mutable_data_ptr<T>(), G, L, D);
+                       z.mutable_data_ptr<ContextOut<T>>(), G, L, D);
   });
   return z;
 }
@@ -404,7 +425,7 @@ at::Tensor attention_context_backward(const at::Tensor& dz, const at::Tensor& va
   const Groups G = group_by_row(rows, b, values.size(0));
   const at::Tensor dzf = dz.to(at::kFloat).contiguous();
   at::Tensor dw = at::empty({b, L}, dzf.options());
-  dispatch(values, [&](auto zero) {
+  dispatch<true>(values, [&](auto zero) {
     using T = decltype(zero);
     context_backward<T>(dzf.const_data_ptr<float>(), values.const_data_ptr<T>(),
                         dw.mutable_data_ptr<float>(), G, L, D);
