@@ -29,6 +29,7 @@ from torch import Tensor, nn
 import captioning.models.native as native
 from captioning.choices import check_choice
 from captioning.models.pass_grads import PassGradient, linear
+from captioning.models.state import grid_dtype
 
 WeightRule = Literal["expected", "sample", "argmax"]  # decode-time rules (`net.hard_decode`)
 SelectRule = Literal["expected", "sample", "argmax", "gumbel"]  # every rule of `select`
@@ -327,7 +328,6 @@ def context(weights: Tensor, values: Tensor, rows: Tensor | None = None) -> Tens
         if native.usable(values, values=True) and not values.requires_grad:
             return native.NativeContext.apply(weights, values, rows)
         values = values.index_select(0, rows)
-    if values.dtype == torch.float16:
-        values = values.float()
+    values = values.to(grid_dtype(values.dtype))
     w = weights.to(values.dtype)  # α is float32 (softmax), a_i may be bf16
     return torch.bmm(w.unsqueeze(1), values).squeeze(1)

@@ -58,7 +58,7 @@ from captioning.models.pass_grads import (
     lstm_pass_weights,
 )
 from captioning.models.repeats import per_distinct_row, repeated_rows
-from captioning.models.state import DecoderState, Memory
+from captioning.models.state import DecoderState, Memory, grid_dtype
 
 AttentionKind = Literal["soft", "hard"]
 SemiSampling = Literal["image", "batch"]
@@ -149,7 +149,7 @@ class AttentionLSTMDecoder(nn.Module):
 
     def init_state(self, memory: Memory) -> DecoderState:
         """c_0 = f_init,c(mean a_i), h_0 = f_init,h(mean a_i) (§3.1.2)."""
-        mean = memory.values.mean(dim=1, dtype=_wide(memory.values.dtype))  # (B, D) or (N, D)
+        mean = memory.values.mean(dim=1, dtype=grid_dtype(memory.values.dtype))  # (B|N, D)
         if memory.rows is not None:
             mean = mean.index_select(0, memory.rows)
         mean = self.init_trunk(mean)
@@ -283,8 +283,8 @@ class AttentionLSTMDecoder(nn.Module):
         steps = (lengths - 1).clamp_min(0)  # words to predict per caption
         rule, semi = self._training_rule() if rule is None else (rule, False)
         if self._fixed is not None and captions.size(1) > 1:
-            return self._forward_fixed(features.to(_wide(features.dtype)), captions, steps,
-                                       rule, semi)
+            features = features.to(grid_dtype(features.dtype))
+            return self._forward_fixed(features, captions, steps, rule, semi)
         steps_cpu = steps.tolist()
         # The loop runs the captions longest first; outputs come back in the batch's order.
         order = sorted(range(len(steps_cpu)), key=lambda i: -steps_cpu[i])
@@ -345,24 +345,19 @@ class AttentionLSTMDecoder(nn.Module):
         grid nor its keys is copied per caption and each image's keys get one gradient row.
         Else `memory` of the reordered batch."""
         dtype = autocast_dtype(features)  # cast once, for the keys and every step's context
+        wide = grid_dtype(features.dtype)  # a float16 grid's float32
         if (self.fast_path != "native" or features.device.type != "cpu"
-                or (dtype or _wide(features.dtype)) not in native.DTYPES
+                or (dtype or wide) not in native.DTYPES
                 or (features.requires_grad and torch.is_grad_enabled())):
-            features = features if perm is None else features[perm]
-            return self.memory(features.to(_wide(features.dtype)))
+            return self.memory((features if perm is None else features[perm]).to(wide))
         found = repeated_rows(features)
-        if found is None:
-            rows = torch.arange(features.size(0))
-        else:
-            features, rows = features.index_select(0, found[0]), found[1]
+        rows = torch.arange(features.size(0)) if found is None else found[1]
+        features = features if found is None else features.index_select(0, found[0])
         if perm is not None:
             rows = rows.index_select(0, perm)
-        if dtype is not None:
-            features = features.to(dtype)
-        # A float16 grid stays so for the context kernel (half the bytes read a word); the keys'
-        # product takes the float32 values it holds.
-        keys = self.attention.project(features.to(_wide(features.dtype)), onednn=True)
-        return Memory(features, keys, rows)
+        features = features if dtype is None else features.to(dtype)
+        keys = self.attention.project(features.to(dtype or wide), onednn=True)
+        return Memory(features, keys, rows)  # a float16 grid stays so: half the bytes a step
 
     def _no_words(self, features: Tensor, B: int, rule: SelectRule, semi: bool
                   ) -> DecoderOutput:
@@ -443,11 +438,6 @@ def check_settings(*, attention: str, hard_decode: str, semi_sampling: str,
         raise ValueError(f"semi_sampling_prob must be in [0, 1], got {semi_sampling_prob}")
     if n_layers_init < 1:
         raise ValueError(f"n_layers_init must be >= 1, got {n_layers_init}")
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a grid is computed in: float32 for a float16 (cached) grid, else its own."""
-    return torch.float32 if dtype == torch.float16 else dtype
 
 
 def _init_trunk(dim: int, n_layers: int, dropout: float) -> nn.Sequential:

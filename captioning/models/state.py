@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
+
+
+def grid_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an annotation grid is computed in: float32 for a float16 grid (a cached one,
+    which holds float32 values exactly at half the bytes), else its own."""
+    return torch.float32 if dtype == torch.float16 else dtype
 
 
 class Memory(NamedTuple):
