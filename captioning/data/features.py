@@ -208,8 +208,9 @@ class FeatureCache:
 
     @property
     def array(self) -> np.ndarray:
-        if self._array is None:
-            self._array = np.memmap(self.array_path, DTYPE, mode="r", offset=self.offset,
+        if self._array is None:  # copy-on-write: writable views (no copy, no warning), and
+            # a write into one changes this process's page only, never the file
+            self._array = np.memmap(self.array_path, DTYPE, mode="c", offset=self.offset,
                                     shape=self._shape)
         return self._array
 
@@ -231,7 +232,8 @@ class FeatureCache:
             row = self._rows[key] = self.index[str(Path(path).resolve())]
         if self.verify == "lazy" and row // self.block_rows not in self._checked:
             self._check_block(row // self.block_rows)
-        return torch.from_numpy(np.array(self.array[row]))  # a float16 copy out of the map
+        # A float16 view of the map: the batch's stack is then its one copy
+        return torch.from_numpy(self.array[row])
 
     def _check_block(self, block: int) -> None:
         if digest(_block(self.array, block, self.block_rows)) != self.block_hashes[block]:
