@@ -149,7 +149,7 @@ class AttentionLSTMDecoder(nn.Module):
 
     def init_state(self, memory: Memory) -> DecoderState:
         """c_0 = f_init,c(mean a_i), h_0 = f_init,h(mean a_i) (§3.1.2)."""
-        mean = memory.values.mean(dim=1, dtype=grid_dtype(memory.values.dtype))  # (B|N, D)
+        mean = memory.values.mean(dim=1)  # (B, D), or (N, D) with rows
         if memory.rows is not None:
             mean = mean.index_select(0, memory.rows)
         mean = self.init_trunk(mean)
@@ -297,8 +297,7 @@ class AttentionLSTMDecoder(nn.Module):
             return self._no_words(features, B, rule, semi)
         pk = PackedSteps.of(steps_cpu, rows=order, device=captions.device)
 
-        memory = self._pass_memory(features, perm)
-        state = self.init_state(memory)
+        memory, state = self._pass_start(features, perm)
         h, c = state.h, state.c
         emb = self.embed(pk.gather(captions[:, :T]))  # (N, E): inputs y_0 .. y_{T-1}, packed
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
@@ -338,26 +337,28 @@ class AttentionLSTMDecoder(nn.Module):
                 use_expected).index_copy_(0, perm, ~use_expected)
         return out
 
-    def _pass_memory(self, features: Tensor, perm: Tensor | None) -> Memory:
-        """The memory of a teacher-forced pass whose captions run in `perm`'s order (None: the
-        batch's). On the native path, for a grid without gradient: one row per distinct image
-        (`captioning.models.repeats`), read by its captions through `rows`, so that neither the
-        grid nor its keys is copied per caption and each image's keys get one gradient row.
-        Else `memory` of the reordered batch."""
+    def _pass_start(self, features: Tensor, perm: Tensor | None
+                    ) -> tuple[Memory, DecoderState]:
+        """The memory and initial state of a teacher-forced pass whose captions run in `perm`'s
+        order (None: the batch's). On the native path, for a grid without gradient: one row per
+        distinct image (`models.repeats`), read by its captions through `rows`, so that neither
+        grid nor keys is copied per caption. Else `memory` of the reordered batch."""
         dtype = autocast_dtype(features)  # cast once, for the keys and every step's context
         wide = grid_dtype(features.dtype)  # a float16 grid's float32
         if (self.fast_path != "native" or features.device.type != "cpu"
                 or (dtype or wide) not in native.DTYPES
                 or (features.requires_grad and torch.is_grad_enabled())):
-            return self.memory((features if perm is None else features[perm]).to(wide))
+            memory = self.memory((features if perm is None else features[perm]).to(wide))
+            return memory, self.init_state(memory)
         found = repeated_rows(features)
         rows = torch.arange(features.size(0)) if found is None else found[1]
         features = features if found is None else features.index_select(0, found[0])
-        if perm is not None:
-            rows = rows.index_select(0, perm)
+        rows = rows if perm is None else rows.index_select(0, perm)
         features = features if dtype is None else features.to(dtype)
-        keys = self.attention.project(features.to(dtype or wide), onednn=True)
-        return Memory(features, keys, rows)  # a float16 grid stays so: half the bytes a step
+        computed = features.to(dtype or wide)  # the keys' product and h_0, c_0 read it
+        memory = Memory(computed, self.attention.project(computed, onednn=True), rows)
+        # A float16 grid stays so for every step's context: half the bytes to read
+        return memory._replace(values=features), self.init_state(memory)
 
     def _no_words(self, features: Tensor, B: int, rule: SelectRule, semi: bool
                   ) -> DecoderOutput:
