@@ -161,6 +161,22 @@ def test_dataloader_workers_read_cached_inputs(copied_images: list[Path], tmp_pa
     assert torch.equal(got, torch.stack([ds[i] for i in range(len(ds))]))
 
 
+def test_a_batch_copies_the_cache_once_and_a_read_is_a_copy(copied_images: list[Path],
+                                                             tmp_path: Path) -> None:
+    """`CachedInputs` hands the batch's stack views of the read-only map (its one copy);
+    `cache[path]` is a copy of its own, which a caller may write into."""
+    cache = _build(tmp_path / "f", tiny_encoder(), copied_images)
+    row = cache.index[str(copied_images[2].resolve())]
+    mapped = torch.from_numpy(np.asarray(cache.array[row]))
+    view = CachedInputs(cache, copied_images)[2]
+    assert view.dtype == torch.float16 and torch.equal(view, mapped)
+    assert view.untyped_storage().data_ptr() == mapped.untyped_storage().data_ptr()
+    own = cache[copied_images[2]]
+    assert torch.equal(own, view) and own.data_ptr() != view.data_ptr()
+    own.zero_()  # the caller's copy only
+    assert torch.equal(cache[copied_images[2]], view) and bool(view.ne(0).any())
+
+
 # -- training: the CNN runs only when fine-tuning --------------------------------------------
 
 

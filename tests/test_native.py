@@ -190,13 +190,18 @@ def test_the_context_kernel_reads_a_float16_grid_as_the_float32_it_holds(D: int)
 @pytest.mark.usefixtures("built")
 @pytest.mark.parametrize("mode", ["native", "off"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["distinct", "by-image"])
-def test_the_pass_reads_a_float16_grid_as_float32_to_the_bit(mode: str, grouped: bool,
-                                                             monkeypatch: pytest.MonkeyPatch
-                                                             ) -> None:
+@pytest.mark.parametrize("attention,bf16", [("soft", False), ("hard", False), ("soft", True)],
+                         ids=["soft", "hard-sampled", "soft-bf16-autocast"])
+def test_the_pass_reads_a_float16_grid_as_float32_to_the_bit(
+        mode: str, grouped: bool, attention: str, bf16: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The teacher-forced pass of a cached float16 grid (`Captioner.encode(keep_half=True)`)
-    equals the pass of the same grid in float32: logits, α and every gradient, to the bit. On
-    the native path the context kernel reads the float16 grid itself."""
-    dec, feats, caps, lengths, _ = decoder_and_batch((10, 49, 24, 20), 0.5, grouped=grouped)
+    equals the pass of the same grid in float32: logits, α and every gradient, to the bit,
+    with hard attention's sampled locations and under bf16 autocast too. On the native path
+    in float32 the context kernel reads the float16 grid itself (D = 40: a vector body and a
+    tail)."""
+    dec, feats, caps, lengths, _ = decoder_and_batch((10, 49, 40, 20), 0.5, grouped=grouped,
+                                                     attention=attention)
     dec.use_fast_path(mode)  # type: ignore[arg-type]
     half = feats.half()
     read: list[torch.dtype] = []
@@ -206,14 +211,18 @@ def test_the_pass_reads_a_float16_grid_as_float32_to_the_bit(mode: str, grouped:
     runs = []
     for grid in (half, half.float()):
         dec.zero_grad()
-        torch.manual_seed(3)  # the same dropout masks
-        out = dec(grid, caps, lengths)
-        (out.logits.pow(2).mean() + out.alphas.pow(2).mean()).backward()
+        torch.manual_seed(3)  # the same dropout masks and sampled locations
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = dec(grid, caps, lengths)
+        (out.logits.float().pow(2).mean() + out.alphas.float().pow(2).mean()).backward()
         runs.append([out.logits, out.alphas, *(p.grad for p in dec.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     n = len(read) // 2
-    assert read == ([torch.float16] * n + [torch.float32] * n if mode == "native" else [])
-    assert n > 0 or mode == "off"
+    if mode == "off":
+        assert not read
+    else:  # under autocast both grids reach the kernel as the same bf16
+        first = torch.bfloat16 if bf16 else torch.float16
+        assert n > 0 and read == [first] * n + [torch.bfloat16 if bf16 else torch.float32] * n
 
 
 @pytest.mark.usefixtures("built")

@@ -91,7 +91,8 @@ class ImageInputs(Dataset):
 
 
 class CachedInputs(Dataset):
-    """Record index -> cached annotation grid (L, D). The cache opens lazily per worker."""
+    """Record index -> cached annotation grid (L, D), a view of the cache's read-only map that
+    the batch's stack copies (`FeatureCache.view`). The cache opens lazily per worker."""
 
     def __init__(self, cache: Any, paths: Sequence[str | os.PathLike[str]]) -> None:
         self.cache = cache
@@ -101,7 +102,7 @@ class CachedInputs(Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int) -> Tensor:
-        return self.cache[self.paths[index]]
+        return self.cache.view(self.paths[index])
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -208,9 +209,8 @@ class FeatureCache:
 
     @property
     def array(self) -> np.ndarray:
-        if self._array is None:  # copy-on-write: writable views (no copy, no warning), and
-            # a write into one changes this process's page only, never the file
-            self._array = np.memmap(self.array_path, DTYPE, mode="c", offset=self.offset,
+        if self._array is None:
+            self._array = np.memmap(self.array_path, DTYPE, mode="r", offset=self.offset,
                                     shape=self._shape)
         return self._array
 
@@ -226,14 +226,25 @@ class FeatureCache:
         return str(Path(path).resolve()) in self.index
 
     def __getitem__(self, path: str | Path) -> Tensor:
+        return torch.from_numpy(np.array(self.array[self._row(path)]))  # a copy out of the map
+
+    def view(self, path: str | Path) -> Tensor:
+        """`self[path]` without its copy: a view of the read-only map, for a batch's stack
+        (`CachedInputs`), then the one copy. Never write into it: a write faults."""
+        row = self._row(path)
+        with warnings.catch_warnings():  # torch's, once a process, that the array is read-only
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(self.array[row])
+
+    def _row(self, path: str | Path) -> int:
+        """The row of `path`, its block hashed first where `verify` is lazy."""
         key = str(path)
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = self.index[str(Path(path).resolve())]
         if self.verify == "lazy" and row // self.block_rows not in self._checked:
             self._check_block(row // self.block_rows)
-        # A float16 view of the map: the batch's stack is then its one copy
-        return torch.from_numpy(self.array[row])
+        return row
 
     def _check_block(self, block: int) -> None:
         if digest(_block(self.array, block, self.block_rows)) != self.block_hashes[block]:

@@ -44,6 +44,7 @@ from captioning.models.pretrained import (
     write_model_folder,
 )
 from captioning.models.repeats import per_distinct_row
+from captioning.models.state import grid_dtype
 from captioning.vocab import Vocabulary
 
 Strategy = Literal["greedy", "beam", "sample"]
@@ -212,13 +213,12 @@ class Captioner(nn.Module):
     def encode(self, images: Tensor, *, keep_half: bool = False) -> Tensor:
         """(B, 3, H, W) images -> (B, L, D) annotations; (B, L, D) cached features pass through.
 
-        Cached grids travel as float16 (half the bytes); compute starts from float32 here, the
-        one place every consumer (training, decoding, benchmarks) goes through. `keep_half`:
-        they stay float16, for the teacher-forced pass (`AttentionLSTMDecoder.forward`), which
-        reads them as the float32 values they hold.
+        Cached grids travel as float16 (half the bytes); compute starts from float32 here
+        (`grid_dtype`). `keep_half`: they stay float16, for the teacher-forced pass
+        (`AttentionLSTMDecoder.forward`), which reads them as the float32 values they hold.
         """
         if images.dim() == 3:
-            return images.float() if images.dtype == torch.float16 and not keep_half else images
+            return images if keep_half else images.to(grid_dtype(images.dtype))
         if self.encoder.trainable:
             return self.encoder(images)
         return per_distinct_row(images, self.encoder)  # frozen: once per distinct image

@@ -17,9 +17,8 @@
 // write and a read of a (b, L, A) tensor.
 //
 // The context z_c = sum_l w_cl v[rows[c], l] (Eq. 6), weights (b, L) in float32, values in
-// float32 or bfloat16 (z in the values' dtype) or float16 (z in float32: a cached float16 grid
-// read as the float32 values it holds exactly, at half the bytes), and its backward
-// dw_cl = dz_c . v[rows[c], l] (the values themselves take no gradient here: a frozen grid).
+// float32 or bfloat16 (z in their dtype) or float16 (z in float32: a cached grid, read as the
+// float32 it holds), and its backward dw_cl = dz_c . v[rows[c], l] (no gradient of the values).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -271,8 +270,7 @@ void context_forward(const float* Wt, const T* V, ContextOut<T>* Z, const Groups
             at::vec::fmadd(wv, v0, Vec::loadu(z + d)).store(z + d);
             at::vec::fmadd(wv, v1, Vec::loadu(z + d + Vec::size())).store(z + d + Vec::size());
           }
-          // explicit fma in the tails: the same rounding for every element type (the compiler
-          // contracts a * b + c for some and not others)
+          // std::fma: every element type rounds alike (a * b + c contracts for some only)
           for (int64_t d = body; d < n; ++d) z[d] = std::fma(w, static_cast<float>(v[d]), z[d]);
         }
       }
@@ -408,10 +406,11 @@ at::Tensor attention_context(const at::Tensor& weights, const at::Tensor& values
   const int64_t b = weights.size(0), L = values.size(1), D = values.size(2);
   const Groups G = group_by_row(rows, b, values.size(0));
   const at::Tensor wf = weights.to(at::kFloat).contiguous();
-  const auto half = values.scalar_type() == at::kHalf;
-  at::Tensor z = at::empty({b, D}, values.options().dtype(half ? at::kFloat : values.scalar_type()));
+  at::Tensor z;
   dispatch<true>(values, [&](auto zero) {
     using T = decltype(zero);
+    using Out = ContextOut<T>;  // float32 for a float16 grid
+    z = at::empty({b, D}, values.options().dtype(c10::CppTypeToScalarType<Out>::value));
     context_forward<T>(wf.const_data_ptr<float>(), values.const_data_ptr<T>(),
                        z.mutable_data_ptr<ContextOut<T>>(), G, L, D);
   });
