@@ -241,12 +241,12 @@ void score_backward(const float* Gup, const T* K, const float* Q, const float* W
 
 // ---- the context ----------------------------------------------------------------------------
 
-// Each task: one group and kCols columns of the values, summed over the grid for every caption
-// of the group in float32.
 // z's element type for values of type T: float16 values give float32
 template <typename T>
 using ContextOut = std::conditional_t<std::is_same_v<T, at::Half>, float, T>;
 
+// Each task: one group and kCols columns of the values, summed over the grid for every caption
+// of the group in float32.
 template <typename T>
 void context_forward(const float* Wt, const T* V, ContextOut<T>* Z, const Groups& G, int64_t L,
                      int64_t D) {
