@@ -138,13 +138,12 @@ class AttentionLSTMDecoder(nn.Module):
     # -- the step API -----------------------------------------------------------------------
     def memory(self, features: Tensor) -> Memory:
         """Annotations (B, L, D) and the scorer's keys (B, L, K), computed once, and once per
-        distinct image where a batch repeats one (`captioning.models.repeats`). Under autocast,
-        annotations that need no gradient are cast once, here, for the keys' product and every
-        step's context alike (a fine-tuned encoder's keep their dtype, so that their gradient
-        is summed over the steps in float32)."""
-        dtype = autocast_dtype(features)
-        if dtype is not None and not features.requires_grad:
-            features = features.to(dtype)
+        distinct image where a batch repeats one (`captioning.models.repeats`). Annotations
+        that need no gradient are cast once, here, for the keys' product and every step's
+        context alike: to autocast's dtype, else a float16 (cached) grid to float32 (a
+        fine-tuned encoder's keep their dtype, so that their gradient sums in float32)."""
+        if not features.requires_grad:
+            features = features.to(autocast_dtype(features) or grid_dtype(features.dtype))
         return Memory(features, per_distinct_row(features, self.attention.project))
 
     def init_state(self, memory: Memory) -> DecoderState:
@@ -348,7 +347,7 @@ class AttentionLSTMDecoder(nn.Module):
         if (self.fast_path != "native" or features.device.type != "cpu"
                 or (dtype or wide) not in native.DTYPES
                 or (features.requires_grad and torch.is_grad_enabled())):
-            memory = self.memory((features if perm is None else features[perm]).to(wide))
+            memory = self.memory(features if perm is None else features[perm])
             return memory, self.init_state(memory)
         found = repeated_rows(features)
         rows = torch.arange(features.size(0)) if found is None else found[1]

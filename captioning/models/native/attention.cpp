@@ -334,17 +334,11 @@ void check_score(const at::Tensor& keys, const at::Tensor& q, const at::Tensor& 
 // f(T{}) with T the grid's element type: float or at::BFloat16, and at::Half where `kHalf`
 template <bool kHalf = false, typename F>
 void dispatch(const at::Tensor& grid, F f) {
-  if (grid.scalar_type() == at::kFloat) {
-    f(float{});
-  } else if constexpr (kHalf) {
-    if (grid.scalar_type() == at::kHalf) {
-      f(at::Half{});
-    } else {
-      f(at::BFloat16{});
-    }
-  } else {
-    f(at::BFloat16{});
+  if (grid.scalar_type() == at::kFloat) return f(float{});
+  if constexpr (kHalf) {
+    if (grid.scalar_type() == at::kHalf) return f(at::Half{});
   }
+  f(at::BFloat16{});
 }
 
 at::Tensor additive_score(const at::Tensor& keys, const at::Tensor& q, const at::Tensor& w,
