@@ -427,14 +427,21 @@ def onednn_flop_formulas() -> dict[Any, Any]:
     return {torch.ops.mkldnn._linear_pointwise: _onednn_flops}  # both overloads
 
 
+def flop_formulas() -> dict[Any, Any]:
+    """`custom_mapping` for the products `FlopCounterMode` does not see: oneDNN's linear and
+    the loaded native kernels (`native.flop_formulas`), each counted as the ATen operations it
+    replaces; so the count of a pass is the same on every path."""
+    from captioning.models import native
+
+    return {**onednn_flop_formulas(), **native.flop_formulas()}
+
+
 def _flop_counter(warmup: int) -> Any:
     """A callback counting the FLOPs of every step after `warmup` (forward, backward and
-    optimiser; `FlopCounterMode` counts matmul-class ops, oneDNN's linear too), and the pairs
-    and words trained."""
+    optimiser; `FlopCounterMode` counts matmul-class ops, and `flop_formulas` those it does
+    not see), and the pairs and words trained."""
     import lightning.pytorch as L
     from torch.utils.flop_counter import FlopCounterMode
-
-    onednn = onednn_flop_formulas()
 
     class FlopCount(L.Callback):
         def __init__(self) -> None:
@@ -444,7 +451,8 @@ def _flop_counter(warmup: int) -> Any:
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                                  batch_idx: int) -> None:
             if self.i >= warmup:
-                self.mode = FlopCounterMode(display=False, custom_mapping=onednn)
+                # made here, after the model has loaded the native kernels
+                self.mode = FlopCounterMode(display=False, custom_mapping=flop_formulas())
                 self.mode.__enter__()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,

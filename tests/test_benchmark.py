@@ -62,6 +62,47 @@ def test_flops_of_onednn_products_are_counted() -> None:
     assert counts[0] == counts[1] == 3 * 2 * 6 * 12 * 20
 
 
+@pytest.mark.parametrize("by_image", [False, True])
+def test_a_pass_counts_the_same_flops_on_the_native_path_as_on_aten(by_image: bool) -> None:
+    """The native kernels' products (the score's w^T tanh(.), the context Σ α a) are counted
+    as the ATen operations they replace: a teacher-forced pass and its backward count the
+    same FLOPs with `fast_path` native and off, with captions of distinct images and of
+    repeated ones, and more than without the kernels' formulas."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import benchmark
+
+    from captioning.models import native
+    from captioning.models.decoder import AttentionLSTMDecoder
+
+    if not native.available():
+        pytest.skip("the native kernels cannot be built here")
+    grid = torch.randn(3 if by_image else 8, 10, 24).half()
+    if by_image:
+        grid = grid[torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])]
+    lengths, captions = torch.tensor([7, 7, 6, 5, 7, 4, 6, 3]), torch.randint(4, 30, (8, 7))
+    counts = {}
+    for mode in ("off", "native"):
+        torch.manual_seed(0)
+        decoder = AttentionLSTMDecoder(vocab_size=30, feature_dim=24, embed_dim=16,
+                                       hidden_dim=20, attn_dim=12)
+        decoder.use_fast_path(mode)
+        with FlopCounterMode(display=False, custom_mapping=benchmark.flop_formulas()) as m:
+            out = decoder(grid, captions, lengths)
+            (out.logits.sum() + out.alphas.sum()).backward()
+        counts[mode] = m.get_total_flops()
+        by_op = m.get_flop_counts()["Global"]
+        assert (torch.ops.captioning_native.additive_score in by_op) == (mode == "native")
+    assert counts["native"] == counts["off"]
+    without = FlopCounterMode(display=False, custom_mapping=benchmark.onednn_flop_formulas())
+    with without:
+        out = decoder(grid, captions, lengths)
+        (out.logits.sum() + out.alphas.sum()).backward()
+    words = int((lengths - 1).sum())  # per word and location: score 2 + 2, context 2 + 2
+    assert counts["native"] - without.get_total_flops() == words * 10 * (4 * 12 + 4 * 24)
+
+
 def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
     """In bf16 (the CPU's bf16-mixed training): the roofline also measures the bf16 rate."""
     out = subprocess.run(

@@ -152,6 +152,29 @@ def usable(grid: Tensor, *, values: bool = False) -> bool:
             and available())
 
 
+def flop_formulas() -> dict[Any, Any]:
+    """`FlopCounterMode`'s `custom_mapping` for the loaded kernels ({} before they load): the
+    FLOPs it counts for the ATen operations they replace, so that a count does not depend on
+    the path. Per caption, L locations: the score w^T tanh(.) 2·L·A each way (backward, w's
+    gradient; its input's is a broadcast product, which ATen's count leaves out too); the
+    context 2·L·D each way (the weights' gradient only). The cell is elementwise, uncounted."""
+    if not hasattr(torch.ops.captioning_native, "lstm_cell"):
+        return {}
+    ops = torch.ops.captioning_native
+
+    def per_location(factor: int, *, captions: int, grid: int) -> Any:
+        """factor · b · L · (A or D), from the arguments' shapes: `captions` the one whose
+        first size is b, `grid` the keys (N, L, A) or annotations (N, L, D)."""
+        def count(*shapes: Any, **kwargs: Any) -> int:
+            return factor * shapes[captions][0] * shapes[grid][1] * shapes[grid][2]
+        return count
+
+    return {ops.additive_score: per_location(2, captions=1, grid=0),  # (keys, q, ...)
+            ops.additive_score_backward: per_location(2, captions=0, grid=1),  # (g, keys, ...)
+            ops.attention_context: per_location(2, captions=0, grid=1),  # (weights, values, .)
+            ops.attention_context_backward: per_location(2, captions=0, grid=1)}  # (dz, ...)
+
+
 class NativeAdditiveScore(torch.autograd.Function):
     """`AdditiveScore` by the native kernel: the same arguments and results, and `rows` (b,)
     where caption c scores keys[rows[c]] (None: keys[c], the first b rows)."""
