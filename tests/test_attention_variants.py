@@ -96,6 +96,38 @@ def test_every_score_gives_a_distribution_and_trains_every_parameter(
     assert all(nonzero_grads(model.decoder).values())
 
 
+@pytest.mark.parametrize("fast_path", ["off", "native"])
+@pytest.mark.parametrize("score", SCORES)
+def test_a_pass_sums_the_query_weights_gradient_once_as_autograd_would(
+        score: str, fast_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A teacher-forced pass multiplies by W_q through its `query_product`, which forms W_q's
+    gradient once; every gradient equals the one of the query layer called each step."""
+    torch.manual_seed(0)
+    model = captioner(score=score).train()
+    model.decoder.use_fast_path(fast_path)
+    b = batch(2)
+    scorer = model.decoder.attention
+    assert (scorer.query_product() is None) == (score == "general")
+
+    def grads() -> dict[str, Tensor]:
+        model.zero_grad(set_to_none=True)
+        out = model.decoder(b.images, b.captions, b.lengths)
+        (out.logits.square().mean() + out.alphas.square().sum()).backward()
+        return {n: p.grad.clone() for n, p in model.decoder.named_parameters()}
+
+    calls: list[int] = []
+    if score != "general":
+        scorer.query.register_forward_hook(lambda *args: calls.append(1))
+    summed = grads()
+    assert not calls  # the pass did not step the layer
+    monkeypatch.setattr(type(scorer), "query_product", lambda self: None)
+    plain = grads()
+    assert calls or score == "general"
+    assert summed.keys() == plain.keys()
+    for name in summed:
+        torch.testing.assert_close(summed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("score", SCORES)
 def test_scorers_project_the_grid_once_and_score_every_location(score: str) -> None:
     torch.manual_seed(1)

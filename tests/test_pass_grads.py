@@ -102,6 +102,34 @@ def test_without_autograd_it_is_plain_addmm() -> None:
         torch.testing.assert_close(product(b, x), torch.addmm(b, x, w))
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["aten", "onednn-products"])
+def test_a_product_without_a_bias_is_the_layers_and_sums_its_gradient(onednn: bool) -> None:
+    """The scorer's query h_{t-1} W_q^T over a pass (`Scorer.query_product`): a bias-free
+    product whose outputs equal the layer's, and whose gradients equal plain autograd's."""
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(6, 4, bias=False)
+    xs = [torch.randn(rows, 6, generator=g, requires_grad=True) for rows in ROWS]
+    coef = torch.randn(4, generator=g)
+    product = RecurrentProduct(layer.weight.t(), onednn=onednn)
+    assert product.grad is not None
+    outs = [product(None, x) for x in xs]
+    for out, x in zip(outs, xs):
+        torch.testing.assert_close(out, layer(x), rtol=1e-6, atol=1e-6)
+    sum((out * coef).sum() for out in outs).backward()
+    summed = [layer.weight.grad.clone(), *(x.grad.clone() for x in xs)]
+    layer.weight.grad = None
+    for x in xs:
+        x.grad = None
+    sum((layer(x) * coef).sum() for x in xs).backward()
+    plain = [layer.weight.grad, *(x.grad for x in xs)]
+    for a, b in zip(summed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert summed[0].abs().sum() > 0
+    with torch.no_grad():  # no pass to sum over: x W itself
+        torch.testing.assert_close(RecurrentProduct(layer.weight.t())(None, xs[0]),
+                                   layer(xs[0]), rtol=0, atol=0)
+
+
 def test_under_autocast_the_steps_read_one_cast_and_the_gradient_keeps_its_dtype() -> None:
     """Under bf16 autocast (as Lightning's, without its weight-cast cache) the steps read the
     weight cast once a pass; its gradient comes back float32, as autocast's own gives it."""

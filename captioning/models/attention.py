@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 import captioning.models.native as native
 from captioning.choices import check_choice
-from captioning.models.pass_grads import PassGradient, linear
+from captioning.models.pass_grads import PassGradient, RecurrentProduct, linear
 from captioning.models.state import grid_dtype
 
 WeightRule = Literal["expected", "sample", "argmax"]  # decode-time rules (`net.hard_decode`)
@@ -58,7 +58,8 @@ class Scorer(nn.Module):
     caption c scores keys[rows[c]] (the pass's one row per distinct image). A teacher-forced
     pass may give `keys_grad`, where a scorer's backward can sum the keys' gradient over the
     steps in place (`captioning.models.pass_grads`); the CPU additive score does, the others
-    leave it to autograd."""
+    leave it to autograd. It may also give `query`, its product by the query's weight
+    (`query_product`), which sums that weight's gradient once a pass, not once a step."""
 
     key: nn.Linear  # W_a (or W_k, W), applied once per image
 
@@ -81,8 +82,17 @@ class Scorer(nn.Module):
         return self.deep(linear(features, self.key.weight, self.key.bias, onednn=True))
 
     def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
-                rows: Tensor | None = None) -> Tensor:
+                rows: Tensor | None = None, query: RecurrentProduct | None = None) -> Tensor:
         raise NotImplementedError
+
+    def query_product(self) -> RecurrentProduct | None:
+        """h_{t-1} W_q^T for the steps of one teacher-forced pass (None: no `query` layer)."""
+        layer = getattr(self, "query", None)
+        return None if layer is None else RecurrentProduct(layer.weight.t())
+
+    def project_query(self, h: Tensor, query: RecurrentProduct | None) -> Tensor:
+        """W_q h_{t-1} (b, A), by the pass's `query` product where given."""
+        return self.query(h) if query is None else query(None, h)
 
     @staticmethod
     def running_keys(keys: Tensor, b: int, rows: Tensor | None) -> Tensor:
@@ -159,9 +169,9 @@ class AdditiveAttention(Scorer):
         return self.native
 
     def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
-                rows: Tensor | None = None) -> Tensor:
+                rows: Tensor | None = None, query: RecurrentProduct | None = None) -> Tensor:
         """Scores e_ti (b, L) from the previous hidden state h_{t-1} (b, H) and the keys."""
-        q = self.query(h)  # (b, A)
+        q = self.project_query(h, query)  # (b, A)
         if self.native and native.usable(keys):  # one pass each way (captioning.models.native)
             return native.NativeAdditiveScore.apply(keys, q, self.score.weight, keys_grad, rows)
         if rows is not None:  # the ATen ops read the first b rows: each caption's keys, copied
@@ -185,8 +195,8 @@ class DotAttention(Scorer):
         self.query = nn.Linear(hidden_dim, attn_dim, bias=False)  # W_q
 
     def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
-                rows: Tensor | None = None) -> Tensor:
-        q = self.query(h).unsqueeze(2)  # (b, A, 1)
+                rows: Tensor | None = None, query: RecurrentProduct | None = None) -> Tensor:
+        q = self.project_query(h, query).unsqueeze(2)  # (b, A, 1)
         return torch.bmm(self.running_keys(keys, q.size(0), rows), q).squeeze(2)  # (b, L)
 
 
@@ -201,8 +211,9 @@ class ScaledDotAttention(DotAttention):
         self.scale = 1.0 / math.sqrt(attn_dim)
 
     def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
-                rows: Tensor | None = None) -> Tensor:
-        return super().forward(keys, h, keys_grad=keys_grad, rows=rows) * self.scale  # (b, L)
+                rows: Tensor | None = None, query: RecurrentProduct | None = None) -> Tensor:
+        return super().forward(keys, h, keys_grad=keys_grad, rows=rows,
+                               query=query) * self.scale  # (b, L)
 
 
 class GeneralAttention(Scorer):
@@ -215,7 +226,7 @@ class GeneralAttention(Scorer):
         self.key = nn.Linear(feature_dim, hidden_dim, bias=False)  # W
 
     def forward(self, keys: Tensor, h: Tensor, *, keys_grad: PassGradient | None = None,
-                rows: Tensor | None = None) -> Tensor:
+                rows: Tensor | None = None, query: RecurrentProduct | None = None) -> Tensor:
         keys = self.running_keys(keys, h.size(0), rows)
         return torch.bmm(keys, h.unsqueeze(2)).squeeze(2)  # (b, L)
 

@@ -210,22 +210,18 @@ class AttentionLSTMDecoder(nn.Module):
         return lstm_pass_weights(self.lstm.weight_ih, self.lstm.weight_hh,
                                  self.embed.embedding_dim)
 
-    def _advance(
-        self,
-        word_gates: Tensor,
-        h: Tensor,
-        c: Tensor,
-        memory: Memory,
-        rule: SelectRule,
-        recurrent: RecurrentProduct | None,
-        use_expected: Tensor | None = None,
-        keys_grad: PassGradient | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor, Selection]:
+    def _advance(self, word_gates: Tensor, h: Tensor, c: Tensor, memory: Memory,
+                 rule: SelectRule, recurrent: RecurrentProduct | None,
+                 use_expected: Tensor | None = None, keys_grad: PassGradient | None = None,
+                 query: RecurrentProduct | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor, Selection]:
         """One step from `word_gates` (b, 4H) and the state (b, H): h, c, ẑ_t and the selection.
         `recurrent`: by [W_z | W_hh]^T (`_pass_weights`), made once by a teacher-forced pass;
-        None for one word (decoding), which multiplies by the two weights apart instead."""
+        None for one word (decoding), which multiplies by the two weights apart instead.
+        `keys_grad`, `query`: the pass's sums of the keys' and W_q's gradients (the scorer's)."""
         # e_ti = f_att(a_i, h_{t-1}) (Eq. 4)
-        scores = self.attention(memory.keys, h, keys_grad=keys_grad, rows=memory.rows)
+        scores = self.attention(memory.keys, h, keys_grad=keys_grad, rows=memory.rows,
+                                query=query)
         sel = select(scores, rule, tau=self.tau)  # α_t (Eq. 5) and the weights
         weights = sel.weights
         if use_expected is not None:
@@ -301,13 +297,13 @@ class AttentionLSTMDecoder(nn.Module):
         emb = self.embed(pk.gather(captions[:, :T]))  # (N, E): inputs y_0 .. y_{T-1}, packed
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
 
-        trace = StepTrace()
-        # (b_t, 4H) a step; split: one backward node
+        trace = StepTrace()  # below: (b_t, 4H) a step; split, one backward node
         word_w, recurrent_w = self._pass_weights()
         word_gates = self._word_gates(emb, word_w).split(pk.running)
-        # Gradients of W and the keys, summed over the steps in one place (models.pass_grads)
+        # Gradients of W, W_q and the keys, summed over the steps in one place (pass_grads)
         recurrent = RecurrentProduct(recurrent_w, onednn=self.fast_path == "native")
         keys, keys_grad = PassGradient.through(memory.keys)
+        query = self.attention.query_product()
         mem_t = memory = memory._replace(keys=keys)
         ue = use_expected
         for t, active in enumerate(pk.running):  # captions sorted longest first: b_t shrinks
@@ -319,7 +315,7 @@ class AttentionLSTMDecoder(nn.Module):
                 mem_t = memory.first(active)
                 ue = use_expected[:active] if use_expected is not None else None
             h, c, z_hat, sel = self._advance(word_gates[t], h, c, mem_t, rule, recurrent, ue,
-                                             keys_grad)
+                                             keys_grad, query)
             trace.add(h, z_hat, sel)
         # The deep output on the N real positions only, its dropout masks drawn for (B, T)
         logits = pk.scatter(self._output(  # (B, T, V), zero past each caption's end

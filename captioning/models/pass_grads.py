@@ -155,24 +155,30 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
 
 
 class _Step(torch.autograd.Function):
-    """addmm(bias, x, W) whose backward gives the gradients of bias and x, and hands x and the
-    gate gradient to W's `PassGradient`. `onednn`: x W and g W^T by oneDNN, which reads W as
-    it lies (`RecurrentProduct`)."""
+    """addmm(bias, x, W), or x W without a bias, whose backward gives the gradients of bias
+    and x, and hands x and the output's gradient to W's `PassGradient`. `onednn`: x W and
+    g W^T by oneDNN, which reads W as it lies (`RecurrentProduct`)."""
 
     @staticmethod
-    def forward(ctx: Any, bias: Tensor, x: Tensor, weight: Tensor,  # type: ignore[override]
-                sink: PassGradient, onednn: bool) -> Tensor:
+    def forward(ctx: Any, bias: Tensor | None, x: Tensor,  # type: ignore[override]
+                weight: Tensor, sink: PassGradient, onednn: bool) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.sink, ctx.dtypes, ctx.onednn = sink, (bias.dtype, x.dtype), onednn
-        if onednn:  # x W + bias, W^T (N, K) as the (out, in) weight
+        ctx.sink, ctx.onednn = sink, onednn
+        ctx.dtypes = (None if bias is None else bias.dtype, x.dtype)
+        if onednn:  # x W (+ bias), W^T (N, K) as the (out, in) weight
+            if bias is None:
+                return torch.ops.mkldnn._linear_pointwise(
+                    x.contiguous(), weight.t(), None, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(
                 x.contiguous(), bias.contiguous(), weight.t(), None, "add")
+        if bias is None:
+            return torch.mm(x, weight)
         return torch.addmm(bias, x, weight)  # under autocast, in its dtype
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g: Tensor  # type: ignore[override]
-                 ) -> tuple[Tensor, Tensor, None, None, None]:
+                 ) -> tuple[Tensor | None, Tensor, None, None, None]:
         x, weight = ctx.saved_tensors
         ctx.sink.add_product(x, g)
         bias_dtype, x_dtype = ctx.dtypes
@@ -180,12 +186,13 @@ class _Step(torch.autograd.Function):
             dx = torch.ops.mkldnn._linear_pointwise(g.contiguous(), weight, None, "none", [], "")
         else:
             dx = g @ weight.t().to(g.dtype)
-        return g.to(bias_dtype), dx.to(x_dtype), None, None, None
+        return (None if bias_dtype is None else g.to(bias_dtype)), dx.to(x_dtype), None, None, None
 
 
 class RecurrentProduct:
     """bias_t + x_t W for every step of one pass (`__call__`), W's gradient formed once as
-    X^T G. `defer` False (a compiled pass) makes it a plain addmm.
+    X^T G: the LSTM's [ẑ_t, h_{t-1}] W, and the scorer's query h_{t-1} W_h^T (no bias). `defer`
+    False (a compiled pass) makes it a plain addmm.
 
     `onednn`: each step's float32 products (x W, and g W^T backward) by oneDNN where it can
     take them. ATen runs float32 products by MKL's sgemm, which at a step's few rows was much
@@ -198,10 +205,10 @@ class RecurrentProduct:
                                                       dtype=autocast_dtype(weight))
         self.onednn = onednn and self.grad is not None and onednn_usable(self.weight)
 
-    def __call__(self, bias: Tensor, x: Tensor) -> Tensor:
-        """bias (b, N) + x (b, K) @ W (K, N)."""
+    def __call__(self, bias: Tensor | None, x: Tensor) -> Tensor:
+        """bias (b, N) + x (b, K) @ W (K, N); x W where `bias` is None."""
         if self.grad is None:
-            return torch.addmm(bias, x, self.weight)
+            return torch.mm(x, self.weight) if bias is None else torch.addmm(bias, x, self.weight)
         return _Step.apply(bias, x, self.weight, self.grad, self.onednn)
 
 
