@@ -1,13 +1,14 @@
 """Gradients that a teacher-forced pass sums over its steps, summed in one place.
 
-Two tensors are read by every word step of a pass: the recurrent weight W (D + H, 4H) of the
-LSTM's product [ẑ_t, h_{t-1}] W, and the scorer's keys (B, L, K). Autograd would form each
-step's gradient of them in full and add it into a running sum: for W a product whose inner
-size is only the step's batch (32 rows, slow on a CPU), for the keys a zero-filled (B, L, K)
-tensor even when only a few captions are still running. Here a `PassGradient` stands between
-the tensor and the steps. Their backwards hand it their parts (W: the step's input rows and
-gate gradient; keys: the running rows' gradient, added in place), and it gives autograd the
-one sum when the backward reaches the tensor: for W one product over all steps' rows, X^T G.
+Some tensors are read by every word step of a pass: the recurrent weight W (D + H, 4H) of the
+LSTM's product [ẑ_t, h_{t-1}] W, the scorer's query weight (h_{t-1} W_q^T) and its keys
+(B, L, K). Autograd would form each step's gradient of them in full and add it into a running
+sum: for a weight a product whose inner size is only the step's batch (32 rows, slow on a CPU),
+for the keys a zero-filled (B, L, K) tensor even when only a few captions are still running.
+Here a `PassGradient` stands between the tensor and the steps. Their backwards hand it their
+parts (a weight: the step's input rows and output gradient; keys: the running rows' gradient,
+added in place), and it gives autograd the one sum when the backward reaches the tensor: for a
+weight one product over all steps' rows, X^T G.
 
 Made for `loss.backward()`: a backward that stops short of the tensor (`torch.autograd.grad`
 with other `inputs`, through a retained graph) would leave its parts for the next one. The
