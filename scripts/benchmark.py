@@ -431,7 +431,7 @@ def onednn_flop_formulas() -> dict[Any, Any]:
 def flop_formulas() -> dict[Any, Any]:
     """`custom_mapping` for the products `FlopCounterMode` does not see: oneDNN's linear and
     the loaded native kernels (`native.flop_formulas`), each counted as the ATen operations it
-    replaces; so the count of a pass is the same on every path."""
+    replaces; so a CPU pass counts the same on the native path as with `fast_path: off`."""
     from captioning.models import native
 
     return {**onednn_flop_formulas(), **native.flop_formulas()}

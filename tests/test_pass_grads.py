@@ -102,42 +102,49 @@ def test_without_autograd_it_is_plain_addmm() -> None:
         torch.testing.assert_close(product(b, x), torch.addmm(b, x, w))
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "vector-bias"])
 @pytest.mark.parametrize("onednn", [False, True], ids=["aten", "onednn-products"])
-def test_a_product_without_a_bias_is_the_layers_and_sums_its_gradient(onednn: bool) -> None:
-    """The scorer's query h_{t-1} W_q^T over a pass (`Scorer.query_product`): a bias-free
-    product whose outputs equal the layer's, and whose gradients equal plain autograd's."""
+def test_a_layers_product_over_a_pass_is_the_layers_and_sums_its_gradient(onednn: bool,
+                                                                         bias: bool) -> None:
+    """The scorer's query h_{t-1} W_q^T over a pass (`Scorer.query_product`), without a bias or
+    with the layer's (N,): outputs equal the layer's, gradients equal plain autograd's."""
     g = torch.Generator().manual_seed(0)
-    layer = torch.nn.Linear(6, 4, bias=False)
+    layer = torch.nn.Linear(6, 4, bias=bias)
     xs = [torch.randn(rows, 6, generator=g, requires_grad=True) for rows in ROWS]
     coef = torch.randn(4, generator=g)
     product = RecurrentProduct(layer.weight.t(), onednn=onednn)
     assert product.grad is not None
-    outs = [product(None, x) for x in xs]
+    assert product.onednn == (onednn and torch.backends.mkldnn.is_available())
+    outs = [product(layer.bias, x) for x in xs]
     for out, x in zip(outs, xs):
         torch.testing.assert_close(out, layer(x), rtol=1e-6, atol=1e-6)
     sum((out * coef).sum() for out in outs).backward()
-    summed = [layer.weight.grad.clone(), *(x.grad.clone() for x in xs)]
-    layer.weight.grad = None
-    for x in xs:
-        x.grad = None
+    params = list(layer.parameters())
+    summed = [*(p.grad.clone() for p in params), *(x.grad.clone() for x in xs)]
+    for t in (*params, *xs):
+        t.grad = None
     sum((layer(x) * coef).sum() for x in xs).backward()
-    plain = [layer.weight.grad, *(x.grad for x in xs)]
+    plain = [*(p.grad for p in params), *(x.grad for x in xs)]
+    assert len(summed) == len(plain) == len(params) + len(xs)
     for a, b in zip(summed, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert summed[0].abs().sum() > 0
     with torch.no_grad():  # no pass to sum over: x W itself
-        torch.testing.assert_close(RecurrentProduct(layer.weight.t())(None, xs[0]),
-                                   layer(xs[0]), rtol=0, atol=0)
+        torch.testing.assert_close(RecurrentProduct(layer.weight.t())(layer.bias, xs[0]),
+                                   layer(xs[0]), rtol=1e-6, atol=1e-6)
 
 
-def test_under_autocast_the_steps_read_one_cast_and_the_gradient_keeps_its_dtype() -> None:
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_under_autocast_the_steps_read_one_cast_and_the_gradient_keeps_its_dtype(
+        with_bias: bool) -> None:
     """Under bf16 autocast (as Lightning's, without its weight-cast cache) the steps read the
-    weight cast once a pass; its gradient comes back float32, as autocast's own gives it."""
+    weight cast once a pass; its gradient comes back float32, as autocast's own gives it. With a
+    bias (the LSTM's) and without (the scorer's query)."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(6, 8, generator=g).requires_grad_()
     plain = weight.detach().clone().requires_grad_()
     xs = [torch.randn(rows, 6, generator=g) for rows in ROWS]
-    bias = torch.randn(5, 8, generator=g)
+    bias = torch.randn(5, 8, generator=g) if with_bias else torch.zeros(5, 8)
     outs = []
     for w, summed in ((weight, True), (plain, False)):
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
@@ -148,7 +155,8 @@ def test_under_autocast_the_steps_read_one_cast_and_the_gradient_keeps_its_dtype
             read = product.weight if product is not None else w.to(torch.bfloat16)
             total = read.float().square().sum()
             for x in xs:
-                y = product(bias[: len(x)], x) if product else torch.addmm(bias[: len(x)], x, w)
+                b = bias[: len(x)] if with_bias else None
+                y = product(b, x) if product else torch.addmm(bias[: len(x)], x, w)
                 assert y.dtype == torch.bfloat16
                 total = total + torch.tanh(y.float()).sum()
         total.backward()

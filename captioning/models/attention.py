@@ -58,14 +58,16 @@ class Scorer(nn.Module):
     caption c scores keys[rows[c]] (the pass's one row per distinct image). A teacher-forced
     pass may give `keys_grad`, where a scorer's backward can sum the keys' gradient over the
     steps in place (`captioning.models.pass_grads`); the CPU additive score does, the others
-    leave it to autograd. It may also give `query`, its product by the query's weight
-    (`query_product`), which sums that weight's gradient once a pass, not once a step."""
+    leave it to autograd. It may also give `query`, its product by the `query` layer's weight
+    (`query_product`), which sums that weight's gradient once a pass, not once a step; that
+    pass then reads the layer's weight and bias without calling it (its hooks do not run)."""
 
     key: nn.Linear  # W_a (or W_k, W), applied once per image
 
     def __init__(self, *, key_dim: int, n_layers: int = 1) -> None:
         super().__init__()
         self.deep = key_layers(key_dim, n_layers)
+        self.query: nn.Linear | None = None  # W_q (or W_h), for the scores that project h
         self.native = False  # score with a native CPU kernel (`use_native`)
 
     def use_native(self, on: bool) -> bool:
@@ -87,12 +89,12 @@ class Scorer(nn.Module):
 
     def query_product(self) -> RecurrentProduct | None:
         """h_{t-1} W_q^T for the steps of one teacher-forced pass (None: no `query` layer)."""
-        layer = getattr(self, "query", None)
-        return None if layer is None else RecurrentProduct(layer.weight.t())
+        return None if self.query is None else RecurrentProduct(self.query.weight.t())
 
     def project_query(self, h: Tensor, query: RecurrentProduct | None) -> Tensor:
-        """W_q h_{t-1} (b, A), by the pass's `query` product where given."""
-        return self.query(h) if query is None else query(None, h)
+        """W_q h_{t-1} (+ the layer's bias) (b, A), by the pass's `query` product if given."""
+        assert self.query is not None, "this scorer has no query layer"
+        return self.query(h) if query is None else query(self.query.bias, h)
 
     @staticmethod
     def running_keys(keys: Tensor, b: int, rows: Tensor | None) -> Tensor:

@@ -170,8 +170,8 @@ class _Step(torch.autograd.Function):
             if bias is None:
                 return torch.ops.mkldnn._linear_pointwise(
                     x.contiguous(), weight.t(), None, "none", [], "")
-            return torch.ops.mkldnn._linear_pointwise.binary(
-                x.contiguous(), bias.contiguous(), weight.t(), None, "add")
+            return torch.ops.mkldnn._linear_pointwise.binary(  # bias (b, N) or (N,), as addmm's
+                x.contiguous(), bias.expand(x.size(0), -1).contiguous(), weight.t(), None, "add")
         if bias is None:
             return torch.mm(x, weight)
         return torch.addmm(bias, x, weight)  # under autocast, in its dtype
@@ -192,8 +192,8 @@ class _Step(torch.autograd.Function):
 
 class RecurrentProduct:
     """bias_t + x_t W for every step of one pass (`__call__`), W's gradient formed once as
-    X^T G: the LSTM's [ẑ_t, h_{t-1}] W, and the scorer's query h_{t-1} W_h^T (no bias). `defer`
-    False (a compiled pass) makes it a plain addmm.
+    X^T G: the LSTM's [ẑ_t, h_{t-1}] W, and the scorer's query h_{t-1} W_q^T. `defer` False (a
+    compiled pass) makes it a plain addmm (mm without a bias).
 
     `onednn`: each step's float32 products (x W, and g W^T backward) by oneDNN where it can
     take them. ATen runs float32 products by MKL's sgemm, which at a step's few rows was much

@@ -37,7 +37,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,15 +154,15 @@ def usable(grid: Tensor, *, values: bool = False) -> bool:
 
 def flop_formulas() -> dict[Any, Any]:
     """`FlopCounterMode`'s `custom_mapping` for the loaded kernels ({} before they load): the
-    FLOPs it counts for the ATen operations they replace, so that a count does not depend on
-    the path. Per caption, L locations: the score w^T tanh(.) 2·L·A each way (backward, w's
+    FLOPs it counts for the ATen operations they replace, so that a CPU pass counts the same
+    on the native path as `off`. Per caption, L locations: the score w^T tanh(.) 2·L·A each way (backward, w's
     gradient; its input's is a broadcast product, which ATen's count leaves out too); the
     context 2·L·D each way (the weights' gradient only). The cell is elementwise, uncounted."""
     if not hasattr(torch.ops.captioning_native, "lstm_cell"):
         return {}
     ops = torch.ops.captioning_native
 
-    def per_location(factor: int, *, captions: int, grid: int) -> Any:
+    def per_location(factor: int, *, captions: int, grid: int) -> Callable[..., int]:
         """factor · b · L · (A or D), from the arguments' shapes: `captions` the one whose
         first size is b, `grid` the keys (N, L, A) or annotations (N, L, D)."""
         def count(*shapes: Any, **kwargs: Any) -> int:
