@@ -47,8 +47,8 @@ MKL on a CPU, and oneDNN's linear, both printed); the FLOPs per training pair of
 training (forward, backward and optimiser, counted by `torch.utils.flop_counter.FlopCounterMode`,
 which counts matmul-class ops only, oneDNN's linear and the native kernels added as the ATen
 ops they replace (`flop_formulas`), over the very batches that a timing round times: every
-round starts from the same seed); and the achieved GFLOP/s of the cached
-soft row (FLOPs per pair x its mean pairs/s), with its share of the matmul rate. `--profile`
+round starts from the same seed); and the achieved GFLOP/s of the cached soft row (FLOPs per
+pair x its mean pairs/s), with its share of the matmul rate. `--profile`
 runs `torch.profiler` over `--profile-steps` cached soft training steps (and by image, with the
 `grouped` row) and prints the top ops by self CPU time. `--preset NAME` sets a named setting
 (`PRESETS`); flags given on the command line win.

@@ -155,9 +155,10 @@ def usable(grid: Tensor, *, values: bool = False) -> bool:
 def flop_formulas() -> dict[Any, Any]:
     """`FlopCounterMode`'s `custom_mapping` for the loaded kernels ({} before they load): the
     FLOPs it counts for the ATen operations they replace, so that a CPU pass counts the same
-    on the native path as `off`. Per caption, L locations: the score w^T tanh(.) 2·L·A each way (backward, w's
-    gradient; its input's is a broadcast product, which ATen's count leaves out too); the
-    context 2·L·D each way (the weights' gradient only). The cell is elementwise, uncounted."""
+    on the native path as `off`. Per caption, L locations: the score w^T tanh(.) 2·L·A each
+    way (backward, w's gradient; its input's is a broadcast product, which ATen's count leaves
+    out too); the context 2·L·D each way (the weights' gradient only). The cell is
+    elementwise, uncounted."""
     if not hasattr(torch.ops.captioning_native, "lstm_cell"):
         return {}
     ops = torch.ops.captioning_native
