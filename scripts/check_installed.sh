@@ -25,9 +25,16 @@ rm -rf "$WORK/dist"
 "$PYTHON" -m pip wheel --no-deps -q -w "$WORK/dist" "$REPO" 2>/dev/null \
   || "$REPO/.venv/bin/pip" wheel --no-deps -q -w "$WORK/dist" "$REPO"
 WHEEL="$(ls "$WORK"/dist/captioning-*.whl)"
-unzip -l "$WHEEL" | grep -q 'captioning/configs/model/demo_soft.yaml'
-unzip -l "$WHEEL" | grep -q 'captioning/models/native/attention.cpp'  # built on first use
-unzip -l "$WHEEL" | grep -q 'captioning/models/native/cell.cpp'
+# The listing is read whole (no `unzip -l | grep -q`: grep quitting early kills unzip with
+# SIGPIPE, which pipefail turns into a failure). The kernels' sources are built on first use.
+"$PYTHON" - "$WHEEL" <<'PY'
+import sys, zipfile
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+wanted = ["captioning/configs/model/demo_soft.yaml", "captioning/models/native/attention.cpp",
+          "captioning/models/native/cell.cpp"]
+missing = [name for name in wanted if name not in names]
+sys.exit(f"the wheel lacks {missing}" if missing else 0)
+PY
 echo "$WHEEL"
 
 step "install it in a fresh virtual environment"
