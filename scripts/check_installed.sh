@@ -12,7 +12,7 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 if [ -n "${1:-}" ]; then
   WORK="$1"
 else  # our own temporary folder (a venv with torch, several GB): removed however we exit
-  WORK="$(mktemp -d /tmp/captioning-installed.XXXXXX)"
+  WORK="$(mktemp -d "${TMPDIR:-/tmp}/captioning-installed.XXXXXX")"
   trap 'rm -rf "$WORK"' EXIT
 fi
 PYTHON="${PYTHON:-python3}"

@@ -26,6 +26,7 @@ from ddp_worker import datamodule
 
 from captioning.data.shapes import generate_shapes
 from captioning.data.sources import ShapesSource
+from captioning.distributed import fresh_launch_env
 from captioning.lit_module import CaptioningModule
 from captioning.models.captioner import CaptionerConfig, DecodeConfig
 
@@ -90,9 +91,8 @@ def _single_process(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
 def ddp_results(setup_ddp: dict[str, Any]) -> dict[str, Any]:
     tmp = setup_ddp["tmp"]
     out = tmp / "ddp.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent.parent)}
-    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = {**fresh_launch_env(os.environ), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(WORKER.parent.parent)}
     proc = subprocess.run([sys.executable, str(WORKER), str(tmp / "spec.json"), str(out)],
                           env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -119,8 +119,8 @@ CACHE_FEATURES_CHILD = """
 import sys, time
 from captioning.models.encoder import CNNEncoder
 forward = CNNEncoder.forward
-def slow(self, x):
-    time.sleep(0.5)
+def slow(self, x):  # long enough that the signal always comes during the first batch
+    time.sleep(5)
     return forward(self, x)
 CNNEncoder.forward = slow
 from captioning.cli import main
@@ -315,7 +315,8 @@ def test_a_full_disk_during_the_build_is_one_line(
 def test_kill_9_during_the_build_leaves_a_temporary_the_next_build_removes(
         tmp_path: Path, shapes_root: Path, images: list[Path]) -> None:
     folder = tmp_path / "features"
-    child = _child(BUILD_CHILD, str(shapes_root / "images"), str(folder), "0.5")
+    # 5 s a batch: the kill always comes while the first batch runs, however busy the machine
+    child = _child(BUILD_CHILD, str(shapes_root / "images"), str(folder), "5")
     [temp] = _wait_for(lambda: list(folder.glob(".*.tmp")) if folder.is_dir() else [], child)
     os.kill(child.pid, signal.SIGKILL)
     child.communicate(timeout=WAIT)

@@ -21,6 +21,7 @@ from captioning.callbacks import CaptionWriter
 from captioning.commands import caption
 from captioning.commands.predict import expand_predict_inputs, is_list_file, main
 from captioning.data.predict import predict_loader
+from captioning.distributed import fresh_launch_env
 
 FAST = ("--accelerator", "cpu", "--num-workers", "0")
 
@@ -240,9 +241,7 @@ def test_ddp_two_processes_merge_every_image_once(trained: Trained, tmp_path: Pa
         shutil.copy(p, images / p.name)
     (images / "zz_bad.png").write_text("not an image")  # 7 inputs: odd, one fails
     out = tmp_path / "ddp" / "captions.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    for k in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = {**fresh_launch_env(os.environ), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-m", "captioning.cli", "predict", "--checkpoint",
          str(trained.checkpoint), str(images), "--out", str(out), "--batch-size", "2",

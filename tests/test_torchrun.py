@@ -16,6 +16,7 @@ import torch
 from tiny_runs import REPO, cli_config
 
 from captioning.data.datamodule import CaptionDataModule
+from captioning.distributed import fresh_launch_env
 
 BIN = Path(sys.executable).parent
 
@@ -30,8 +31,7 @@ def _dataset_pairs(shapes_dm_kwargs: dict[str, Any], cache_dir: Path) -> Counter
 
 
 def _torchrun_fit(cfg: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")}
+    env = fresh_launch_env(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(REPO / "tests"), *filter(None, [env.get("PYTHONPATH")])]))
     return subprocess.run(
@@ -138,3 +138,13 @@ def test_slurm_script_parses() -> None:
     assert proc.returncode == 0, proc.stderr
     text = script.read_text()
     assert "srun captioning fit" in text and "#SBATCH --ntasks-per-node" in text
+
+
+def test_a_child_launch_drops_the_parents_ranks_and_keeps_the_rest() -> None:
+    parent = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "node0",
+              "MASTER_PORT": "29500", "NODE_RANK": "0", "SLURM_PROCID": "1",
+              "SLURM_NTASKS": "2", "PATH": "/usr/bin", "OMP_NUM_THREADS": "4",
+              "MY_RANK_NOTE": "kept"}
+    assert fresh_launch_env(parent) == {"PATH": "/usr/bin", "OMP_NUM_THREADS": "4",
+                                        "MY_RANK_NOTE": "kept"}
+    assert parent["RANK"] == "1"  # the parent's own environment is left as it was
