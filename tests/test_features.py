@@ -16,6 +16,7 @@ from PIL import Image
 from tiny_runs import tiny_encoder
 from torch.utils.data import DataLoader
 
+from captioning.data.cache_names import CACHE_NAME_RE, cache_files, cache_identity
 from captioning.data.datamodule import CaptionDataModule
 from captioning.data.datasets import CachedInputs
 from captioning.data.features import FeatureCache, attach_feature_cache
@@ -302,3 +303,21 @@ def test_bf16_autocast_forward_backward_is_finite(attention: str) -> None:
     parts["loss"].backward()
     grads = [p.grad for p in module.captioner.decoder.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_a_cache_is_named_by_its_images_encoder_and_size(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    a.write_bytes(b"a")
+    b.write_bytes(b"bb")
+    cfg = {"backbone": "resnet18"}
+    key, rows = cache_identity(encoder_config=cfg, image_size=64, paths=[a, str(b), a])
+    assert rows == [a.resolve(), b.resolve()]  # one row per image, first occurrence kept
+    assert all(CACHE_NAME_RE.match(f.name) for f in cache_files(tmp_path, key))
+    assert cache_identity(encoder_config=cfg, image_size=64, paths=[a, b])[0] == key
+    others = [cache_identity(encoder_config=cfg, image_size=32, paths=[a, b])[0],
+              cache_identity(encoder_config={"backbone": "vgg19"}, image_size=64,
+                             paths=[a, b])[0],
+              cache_identity(encoder_config=cfg, image_size=64, paths=[b, a])[0]]
+    os.utime(a, ns=(0, 0))  # an image changed on disk (its mtime)
+    others.append(cache_identity(encoder_config=cfg, image_size=64, paths=[a, b])[0])
+    assert len({key, *others}) == 5

@@ -19,7 +19,6 @@ each one is.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -67,22 +66,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 def split_keys(dm: Any, encoder_config: dict[str, Any]) -> dict[str, tuple[str, list[str]]]:
     """{split: (cache key, image keys)} of each non-empty split, after the image checks that
     training does (so that `on_bad_data: skip` leaves out the same images)."""
-    from captioning.data.features import cache_key, unique_paths
+    from captioning.data.cache_names import cache_identity
 
     out = {}
     for split in SPLITS:
         if dm.records(split):
             dm.dataset_for(split)  # sets the split up: its images are checked
-            paths = unique_paths(r.path for r in dm.records(split))
-            key = cache_key(encoder_config=encoder_config, image_size=dm.image_size,
-                            paths=paths)
+            key, paths = cache_identity(encoder_config=encoder_config,
+                                        image_size=dm.image_size,
+                                        paths=(r.path for r in dm.records(split)))
             out[split] = (key, [str(p) for p in paths])
     return out
 
 
 def verify(cache_dir: Path, keys: dict[str, tuple[str, list[str]]]) -> int:
     """Check each split's cache fully; one line each. 1 when one is missing or bad, else 0."""
-    from captioning.data.features import CacheError, FeatureCache, cache_files
+    from captioning.data.cache_names import cache_files
+    from captioning.data.features import CacheError, FeatureCache
 
     status = 0
     for split, (key, paths) in keys.items():
@@ -112,14 +112,11 @@ def prunable(cache_dir: Path, keep: set[str]) -> list[Path]:
     return [p for p in sorted(cache_dir.iterdir()) if p.is_file() and _superseded(p, keep)]
 
 
-#: The file names of a cache's own files: `KEY.npy` and `KEY.json` (`features.cache_files`).
-CACHE_NAME_RE = re.compile(r"^[0-9a-f]{20}\.(npy|json)$")
-
-
 def _superseded(p: Path, keep: set[str]) -> bool:
     """Whether `p` is a cache file, lock or temporary that `--prune` deletes; any other file
     in the folder (a dataset's own JSON, a vocabulary, a user's file) is never touched."""
     from captioning.atomic import TEMP_RE, is_stale
+    from captioning.data.cache_names import CACHE_NAME_RE
     from captioning.locks import lock_held
 
     temp = TEMP_RE.match(p.name)

@@ -34,7 +34,7 @@ import math
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -46,12 +46,12 @@ from torch.utils.data import DataLoader
 
 from captioning.atomic import remove_stale_temporaries, write_atomic, write_json_atomic
 from captioning.choices import check_choice
+from captioning.data.cache_names import CACHE_VERSION, cache_files, cache_identity
 from captioning.data.datasets import ImageInputs
 from captioning.locks import exclusive_lock, sigterm_raises
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 3  # in the key: 1 had no hashes in the index; 2 decoded JPEGs in full
 CacheVerify = Literal["full", "lazy", "size"]  # what is checked when a cache is opened
 BLOCK_BYTES = 1 << 20
 MAX_BLOCK_ROWS = 256
@@ -67,27 +67,6 @@ class CacheError(Exception):
     def __str__(self) -> str:  # from a DataLoader worker: "Caught ... CacheError: <line>"
         text = super().__str__().strip()
         return text.splitlines()[-1].split("CacheError: ", 1)[-1] if text else text
-
-
-def unique_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """The resolved paths, first occurrence kept: the rows of a cache, in order."""
-    return list(dict.fromkeys(Path(p).resolve() for p in paths))
-
-
-def cache_key(*, encoder_config: dict[str, Any], image_size: int, paths: Sequence[Path]) -> str:
-    """Hash of the encoder config, input size and each image file's path, size and mtime."""
-    h = hashlib.sha256()
-    h.update(json.dumps({"v": CACHE_VERSION, "encoder": encoder_config, "image_size": image_size},
-                        sort_keys=True).encode())
-    for p in paths:
-        st = os.stat(p)
-        h.update(f"{Path(p).resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:20]
-
-
-def cache_files(cache_dir: str | os.PathLike[str], key: str) -> tuple[Path, Path]:
-    """(array, index) paths of the cache `key`."""
-    return Path(cache_dir) / f"{key}.npy", Path(cache_dir) / f"{key}.json"
 
 
 def digest(data: Any) -> str:
@@ -290,8 +269,8 @@ class FeatureCache:
     ) -> FeatureCache:
         """Open the cache for these images and encoder, building it first if it is missing or
         fails its check (`verify`). `progress`: show a progress bar (a string labels it)."""
-        paths = unique_paths(paths)
-        key = cache_key(encoder_config=encoder_config, image_size=image_size, paths=paths)
+        key, paths = cache_identity(encoder_config=encoder_config, image_size=image_size,
+                                    paths=paths)
         cache_dir = Path(cache_dir)
         keys = [str(p) for p in paths]
         if cache_dir.is_dir():
