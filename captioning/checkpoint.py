@@ -34,7 +34,12 @@ import torch
 
 from captioning.atomic import write_atomic
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
-from captioning.models.pretrained import CONFIG_FILE, WEIGHTS_FILE, PretrainedError
+from captioning.models.pretrained import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    PretrainedError,
+    vocab_size_mismatch,
+)
 from captioning.models.pretrained import is_pretrained_dir as is_pretrained_dir  # re-exported
 from captioning.vocab import Vocabulary
 
@@ -300,14 +305,9 @@ def _captioner_state(path: Path, data: dict[str, Any]) -> dict[str, torch.Tensor
 
 def _check_sizes(path: Path, vocab: Vocabulary, config: CaptionerConfig,
                  state: dict[str, torch.Tensor]) -> None:
-    sizes = {"vocabulary": len(vocab), "model config vocab_size": config.vocab_size}
-    embed = state.get("decoder.embed.weight")
-    if embed is not None:
-        sizes["embedding rows"] = int(embed.shape[0])
-    if len(set(sizes.values())) > 1:
-        detail = ", ".join(f"{k} {v}" for k, v in sizes.items())
-        raise CheckpointError(f"{path}: vocabulary size mismatch ({detail}); the vocabulary "
-                              "does not belong to these weights")
+    problem = vocab_size_mismatch(vocab, config.vocab_size, state)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> LoadedModel:

@@ -293,7 +293,7 @@ class Captioner(nn.Module):
         folder = read_model_folder(path)
         config = folder.config("model", CaptionerConfig.from_dict)
         decode = folder.config("decode", DecodeConfig.from_dict)
-        folder.check_vocab_size(config.vocab_size, embedding="decoder.embed.weight")
+        folder.check_vocab_size(config.vocab_size)
         try:  # the backbone's weights come from the folder: never download them
             captioner = cls(replace(config, weights=None))
         except ValueError as e:

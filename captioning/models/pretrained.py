@@ -37,8 +37,23 @@ WEIGHTS_FILE, CONFIG_FILE, VOCAB_FILE, CARD_FILE = \
     "model.safetensors", "config.json", "vocab.json", "README.md"
 #: The files `read_model_folder` needs, in the order they are checked.
 REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE)
+#: The decoder's word embedding in a captioner's state dict: one row per vocabulary word.
+EMBEDDING_KEY = "decoder.embed.weight"
 
 _T = TypeVar("_T")
+
+
+def vocab_size_mismatch(vocab: Vocabulary, vocab_size: int, state: Mapping[str, Tensor]
+                        ) -> str | None:
+    """What is wrong when the vocabulary, the config's `vocab_size` and the embedding's rows
+    (`EMBEDDING_KEY` in `state`) are not one size; None when they are."""
+    sizes = {"vocabulary": len(vocab), "model config vocab_size": vocab_size}
+    if EMBEDDING_KEY in state:
+        sizes["embedding rows"] = int(state[EMBEDDING_KEY].shape[0])
+    if len(set(sizes.values())) == 1:
+        return None
+    detail = ", ".join(f"{k} {v}" for k, v in sizes.items())
+    return f"vocabulary size mismatch ({detail}); the vocabulary does not belong to these weights"
 
 
 class PretrainedError(ValueError):
@@ -71,16 +86,12 @@ class ModelFolder:
             raise PretrainedError(f"{self.path / CONFIG_FILE}: invalid {what} ({key!r}): "
                                   f"{_one_line(e)}") from None
 
-    def check_vocab_size(self, vocab_size: int, embedding: str) -> None:
+    def check_vocab_size(self, vocab_size: int) -> None:
         """Refuse a vocabulary that is not the size of the model's (`vocab_size` from the
-        config, and the rows of the `embedding` weight)."""
-        sizes = {"vocabulary": len(self.vocab), "model config vocab_size": vocab_size}
-        if embedding in self.state:
-            sizes["embedding rows"] = int(self.state[embedding].shape[0])
-        if len(set(sizes.values())) > 1:
-            detail = ", ".join(f"{k} {v}" for k, v in sizes.items())
-            raise PretrainedError(f"{self.path / VOCAB_FILE}: vocabulary size mismatch "
-                                  f"({detail}); the vocabulary does not belong to these weights")
+        config, and the embedding's rows)."""
+        problem = vocab_size_mismatch(self.vocab, vocab_size, self.state)
+        if problem:
+            raise PretrainedError(f"{self.path / VOCAB_FILE}: {problem}")
 
     def load_into(self, module: nn.Module) -> None:
         """Load the weights into `module`, all of them and nothing else (strict)."""
