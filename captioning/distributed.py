@@ -4,6 +4,7 @@ process that must not inherit its parent's ranks (`fresh_launch_env`)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,14 @@ def fresh_launch_env(env: Mapping[str, str]) -> dict[str, str]:
     Lightning reads as a cluster's): for a child process that sets up its own ranks, or none."""
     return {k: v for k, v in env.items()
             if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+
+
+def launcher_rank_zero(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is (or will be) global rank zero, from a launcher's variables
+    (`env`, by default the process's): before a trainer has started and knows its rank."""
+    env = os.environ if env is None else env
+    return all(env.get(k, "0") in ("", "0")
+               for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def is_distributed() -> bool:

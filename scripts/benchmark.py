@@ -885,7 +885,9 @@ def run_as_worker(spec: dict[str, Any]) -> int:
 
         torch.set_num_threads(spec["threads"])
     result = WORKERS[spec["kind"]](spec)
-    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+    from captioning.distributed import launcher_rank_zero
+
+    if launcher_rank_zero():
         print(RESULT + json.dumps(result), flush=True)
     return 0
 

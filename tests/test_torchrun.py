@@ -12,11 +12,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from tiny_runs import REPO, cli_config
 
 from captioning.data.datamodule import CaptionDataModule
-from captioning.distributed import fresh_launch_env
+from captioning.distributed import fresh_launch_env, launcher_rank_zero
 
 BIN = Path(sys.executable).parent
 
@@ -148,3 +149,11 @@ def test_a_child_launch_drops_the_parents_ranks_and_keeps_the_rest() -> None:
     assert fresh_launch_env(parent) == {"PATH": "/usr/bin", "OMP_NUM_THREADS": "4",
                                         "MY_RANK_NOTE": "kept"}
     assert parent["RANK"] == "1"  # the parent's own environment is left as it was
+
+
+@pytest.mark.parametrize(("env", "zero"), [
+    ({}, True), ({"RANK": "0", "LOCAL_RANK": "0", "NODE_RANK": ""}, True),
+    ({"RANK": "3"}, False), ({"LOCAL_RANK": "1"}, False), ({"NODE_RANK": "1"}, False),
+    ({"SLURM_PROCID": "2"}, False)])
+def test_rank_zero_is_read_from_any_launchers_variables(env: dict[str, str], zero: bool) -> None:
+    assert launcher_rank_zero(env) is zero

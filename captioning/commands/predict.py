@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import sys
 import time
@@ -38,6 +37,7 @@ from captioning.commands.caption import (
     overlay_names,
 )
 from captioning.commands.errors import error
+from captioning.distributed import launcher_rank_zero
 
 if TYPE_CHECKING:
     from captioning.checkpoint import LoadedModel
@@ -153,13 +153,6 @@ def _checked_args(a: argparse.Namespace) -> bool:
     return True
 
 
-def _rank_zero() -> bool:
-    """Whether this process is (or will be) global rank zero, from the launcher's variables
-    (the trainer knows only once it has started)."""
-    return all(os.environ.get(k, "0") in ("", "0")
-               for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -170,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not _checked_args(a):
         return 2
     inputs = expand_predict_inputs(a.inputs)
-    rank_zero = _rank_zero()
+    rank_zero = launcher_rank_zero()
     for msg in inputs.problems if rank_zero else []:
         error(msg)
     if not inputs.paths:
