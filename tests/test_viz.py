@@ -9,7 +9,13 @@ import torch.nn.functional as F
 from PIL import Image
 
 from captioning import viz
-from captioning.viz import IMAGENET_MEAN, IMAGENET_STD, render_strips, save_strip_png
+from captioning.viz import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    caption_strips,
+    render_strips,
+    save_strip_png,
+)
 
 H = W = 64
 LH = 14
@@ -171,6 +177,21 @@ def test_batched_equals_one_by_one(batch) -> None:
         # Equal up to one level of uint8 rounding: BLAS may sum a batch in another order.
         diff = (out[i, :, : W * (len(ws) + 1)].int() - alone[0].int()).abs()
         assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+
+
+def test_caption_strips_of_a_bf16_run_cut_to_the_longest_caption(batch) -> None:
+    """A generation's maps, wider than its captions (decoding's max_len) and in bf16 (a
+    bf16-mixed run), give the strips of their float32 values up to the longest caption."""
+    images, alphas, words = batch
+    short = [w[:3] for w in words]  # longest caption: 3 of the 5 steps
+    half = alphas.bfloat16()
+    points = alphas.argmax(-1)
+    full, strips = caption_strips(images.bfloat16(), half, (4, 4), short, points=points)
+    expected = render_strips(images.bfloat16().float(), half[:, :3].float(), (4, 4), short,
+                             points=points[:, :3])
+    assert torch.equal(full, expected) and full.shape[2] == W * 4
+    assert [s.shape[1] for s in strips] == [W * (len(w) + 1) for w in short]
+    assert all(torch.equal(s, full[i, :, : s.shape[1]]) for i, s in enumerate(strips))
 
 
 def test_input_validation(batch) -> None:

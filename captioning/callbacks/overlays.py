@@ -167,11 +167,9 @@ class AttentionOverlayCallback(L.Callback):
                 words, captions = caption_words(gen, vocab)
                 words = [w[: self.max_words] for w in words]
                 hard = pl_module.captioner.config.attention == "hard"  # type: ignore[union-attr]
-                t = max(1, max(len(w) for w in words))
                 full, strips = caption_strips(
-                    images, gen.alphas[:, :t].float(), pl_module.captioner.grid,  # type: ignore[union-attr]
-                    words, points=gen.locations[:, :t] if hard else None,
-                    upsample=self.upsample)
+                    images, gen.alphas, pl_module.captioner.grid,  # type: ignore[union-attr]
+                    words, points=gen.locations if hard else None, upsample=self.upsample)
         finally:
             pl_module.train(was_training)
 

@@ -130,8 +130,7 @@ class CaptionWriter(BasePredictionWriter):
         that could not be written (each reported)."""
         gen, words = prediction["generation"], prediction["words"]
         hard = pl_module.net_config.attention == "hard"
-        _, strips = caption_strips(batch.images.float(), gen.alphas.float(),
-                                   pl_module.captioner.grid, words,
+        _, strips = caption_strips(batch.images, gen.alphas, pl_module.captioner.grid, words,
                                    points=gen.locations if hard else None)
         failures: list[dict[str, Any]] = []
         folder = self.overlays
