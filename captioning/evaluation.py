@@ -113,16 +113,22 @@ def compute_metrics(results: EvalResults, *, grid: tuple[int, int],
     return metrics
 
 
+def results_files(folder: str | Path, split: str) -> tuple[Path, Path]:
+    """(the COCO captions file, the metrics file) of a `split` pass in `folder`:
+    `{split}_captions.json` and `{split}_metrics.json`."""
+    return Path(folder) / f"{split}_captions.json", Path(folder) / f"{split}_metrics.json"
+
+
 def write_results(results: EvalResults, split: str, folder: str | Path) -> Path:
     """COCO results file [{"image_id", "caption"}] and a metrics JSON, each written atomically;
     returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    coco = [{"image_id": i, "caption": c} for i, c in results.hypotheses.items()]
-    write_json_atomic(folder / f"{split}_captions.json", coco)
-    write_json_atomic(folder / f"{split}_metrics.json", results.metrics, indent=2)
-    log.info("wrote %s and %s", folder / f"{split}_captions.json",
-             folder / f"{split}_metrics.json")
+    captions, metrics = results_files(folder, split)
+    write_json_atomic(captions, [{"image_id": i, "caption": c}
+                                 for i, c in results.hypotheses.items()])
+    write_json_atomic(metrics, results.metrics, indent=2)
+    log.info("wrote %s and %s", captions, metrics)
     return folder
 
 
@@ -131,8 +137,7 @@ def set_aside_results(folder: str | Path, split: str, rank_zero: bool = True) ->
     `{split}_*.previous.json` before a new pass, so that files beside a run are its own (a
     killed pass leaves none) and nothing is lost. Returns the renamed files' new paths."""
     moved = []
-    for name in (f"{split}_captions.json", f"{split}_metrics.json"):
-        old = Path(folder) / name
+    for old in results_files(folder, split):
         if rank_zero and old.is_file():
             moved.append(old.replace(old.with_suffix(".previous.json")))
     if moved:

@@ -32,7 +32,9 @@ METRICS = ("BLEU-4", "METEOR", "CIDEr", "objects_correct", "pointing_accuracy")
 
 def train_seed(run: Path, seed: int, every: int, demo_args: list[str]) -> None:
     """The demo's two stages for one seed, unless its SCST test figures exist."""
-    if (run / "scst" / "test_metrics.json").is_file():
+    from captioning.evaluation import results_files
+
+    if results_files(run / "scst", "test")[1].is_file():
         log.info("seed %d: trained already (%s)", seed, run)
         return
     cmd = [sys.executable, "-m", "captioning.cli", "demo", "--scst", "--run-dir", str(run),
@@ -82,8 +84,10 @@ def seed_curve(run: Path) -> list[tuple[int, dict[str, float]]]:
 
 
 def test_figures(folder: Path) -> dict[str, float]:
-    return {k: float(v) for k, v in json.loads((folder / "test_metrics.json").read_text()).items()
-            if k in METRICS}
+    from captioning.evaluation import results_files
+
+    metrics = json.loads(results_files(folder, "test")[1].read_text())
+    return {k: float(v) for k, v in metrics.items() if k in METRICS}
 
 
 def mean_sd(values: list[float]) -> str:

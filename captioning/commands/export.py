@@ -30,8 +30,6 @@ from captioning.commands.errors import error
 if TYPE_CHECKING:
     from captioning.checkpoint import LoadedModel
 
-#: Metrics files `captioning test` / `validate` write into the run folder.
-METRICS_FILES = ("test_metrics.json", "val_metrics.json")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -197,11 +195,13 @@ def _metrics_files(source: Path | None) -> list[Path]:
     one above it (runs/NAME/checkpoints/x.ckpt); the nearest of each."""
     if source is None or not source.is_file():
         return []
+    from captioning.evaluation import results_files  # what `test` / `validate` write
+
     found = []
-    for name in METRICS_FILES:
+    for split in ("test", "val"):
         for folder in (source.parent, source.parent.parent):
-            if (folder / name).is_file():
-                found.append(folder / name)
+            if (metrics := results_files(folder, split)[1]).is_file():
+                found.append(metrics)
                 break
     return found
 
