@@ -14,16 +14,6 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
-def _singular(word: str, names: Collection[str]) -> str | None:
-    """The object name `word` refers to (singular or plural), or None."""
-    if word in names:
-        return word
-    for suffix in ("es", "s"):
-        if word.endswith(suffix) and word[: -len(suffix)] in names:
-            return word[: -len(suffix)]
-    return None
-
-
 def _default_words() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     from captioning.data import shapes
 
@@ -72,13 +62,17 @@ def _referred_objects(
     it, or the one before a single modifier ("red large circle"), is a colour word that one of
     them has (`shapes.bound_colour`, the rule of `shapes.parse_objects` too).
     """
-    shape = _singular(caption[t], names)
+    from captioning.data.shapes import (  # not at import time (module docstring)
+        bound_colour,
+        shape_of,
+    )
+
+    shape = shape_of(caption[t], names)
     if shape is None:
         return []
     referred = [o for o in objects if o["shape"] == shape]
     if not referred:
         return []
-    from captioning.data.shapes import bound_colour  # not at import time (module docstring)
 
     colour = bound_colour(caption, t, colours=colors, sizes=modifiers)
     if colour is not None and any(o["color"] == colour for o in referred):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from captioning.data.shapes import parse_objects, shape_of
 from captioning.pointing import pointing_accuracy
 
 SHAPES, COLORS, SIZES = ("circle", "square", "triangle", "cross"), ("red", "green", "blue"), (
@@ -90,3 +91,13 @@ def test_pointing_default_words_from_shapes_module() -> None:
     colour, shape = shapes.COLORS[0], shapes.SHAPES[0]
     boxes = [[{"color": colour, "shape": shape, "bbox": [0.0, 0.0, 0.4, 0.4]}]]
     assert pointing_accuracy([[colour, shape]], [alpha_rows(1, 0)], GRID, boxes)[1:] == (1, 1)
+
+
+def test_a_word_names_a_shape_singular_or_plural_by_one_rule() -> None:
+    names = {"box", "bus", "circle"}
+    assert [shape_of(w, names) for w in ("box", "boxes", "buses", "circles", "circle", "red",
+                                         "boxs", "es")] == \
+        ["box", "box", "bus", "circle", "circle", None, "box", None]
+    # the shapes data's own caption parser follows it
+    assert parse_objects("two red circles and a blue square") == {("red", "circle"),
+                                                                   ("blue", "square")}

@@ -66,8 +66,7 @@ DEFAULT_PARAMS = {"num_train": 4000, "num_val": 250, "num_test": 500, "image_siz
 _BACKGROUND = (28, 28, 34)
 _SUPERSAMPLE = 2
 _PNG_LEVEL = 1  # the noise makes higher levels slow for little gain
-_PLURALS = {f"{s}s": s for s in SHAPES}
-_SHAPE_WORDS = {**{s: s for s in SHAPES}, **_PLURALS}
+_SHAPE_SET = frozenset(SHAPES)
 _COLOR_SET = frozenset(COLORS)
 _SIZE_SET = frozenset(SIZES)
 _COUNT_WORDS = {2: "two", 3: "three"}
@@ -220,6 +219,17 @@ def scene_captions(objs: Sequence[_Obj], image_size: int, rng: np.random.Generat
     return [canon, *chosen]
 
 
+def shape_of(word: str, names: Collection[str]) -> str | None:
+    """The object name (one of `names`) that `word` names, singular or plural ("-s", "-es");
+    None for any other word. The one rule of `parse_objects` and of pointing accuracy."""
+    if word in names:
+        return word
+    for suffix in ("es", "s"):
+        if word.endswith(suffix) and word[: -len(suffix)] in names:
+            return word[: -len(suffix)]
+    return None
+
+
 def bound_colour(tokens: Sequence[str], t: int, *, colours: Collection[str],
                  sizes: Collection[str]) -> str | None:
     """The colour word bound to the shape word tokens[t]: the word right before it, or the one
@@ -239,9 +249,9 @@ def parse_objects(caption: str) -> set[tuple[str, str]]:
     tokens = tokenize(caption)
     found: set[tuple[str, str]] = set()
     for t, tok in enumerate(tokens):
-        if tok in _SHAPE_WORDS and (
+        if (shape := shape_of(tok, _SHAPE_SET)) and (
                 colour := bound_colour(tokens, t, colours=_COLOR_SET, sizes=_SIZE_SET)):
-            found.add((colour, _SHAPE_WORDS[tok]))
+            found.add((colour, shape))
     return found
 
 
