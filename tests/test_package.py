@@ -5,7 +5,6 @@ line is printed once, without warnings about the project's own wiring."""
 from __future__ import annotations
 
 import collections
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import needs_java, shapes_cli_args
-from tiny_runs import REPO
+from tiny_runs import REPO, user_env
 
 from captioning.cli import main
 from captioning.commands.configs import (
@@ -109,10 +108,8 @@ def test_configs_command_and_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("WANDB_", "TORCH_HOME")) and "proxy" not in k.lower()}
     return subprocess.run([sys.executable, "-m", "captioning.cli", *args], cwd=cwd,
-                          env={**base, **env}, capture_output=True, text=True, timeout=600)
+                          env=user_env(**env), capture_output=True, text=True, timeout=600)
 
 
 def test_missing_pretrained_weights_offline_is_one_line(shapes_root: Path,

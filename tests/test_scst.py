@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import torch
 import yaml
 from conftest import needs_java, shapes_cli_args
-from tiny_runs import BATCHES, REPO, cli_config
+from tiny_runs import BATCHES, REPO, cli_config, user_env
 from torch import Tensor
 
 from captioning.cider import CiderD
@@ -383,8 +382,6 @@ def test_init_from_refuses_another_network(cross_entropy: Path, shapes_dm_kwargs
 
 @needs_java
 def test_demo_scst_runs_both_stages(shapes_root: Path, tmp_path: Path) -> None:
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("WANDB_", "TORCH_HOME")) and "proxy" not in k.lower()}
     out = subprocess.run(
         [sys.executable, "-m", "captioning.cli", "demo", "--scst", "--run-dir",
          str(tmp_path / "run"), "--samples", "1", *shapes_cli_args(shapes_root),
@@ -392,7 +389,7 @@ def test_demo_scst_runs_both_stages(shapes_root: Path, tmp_path: Path) -> None:
          "--model.net.hidden_dim", "32", "--model.decode.max_len", "6",
          "--model.scst.samples", "2", "--trainer.max_epochs", "1",
          "--trainer.limit_train_batches", "2", "--trainer.enable_progress_bar", "false"],
-        cwd=tmp_path, env={**base, "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)},
+        cwd=tmp_path, env=user_env(WANDB_MODE="offline", PYTHONPATH=str(REPO)),
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
@@ -411,8 +408,6 @@ def test_scst_curve_script_trains_seeds_and_draws_the_curve(shapes_root: Path,
                                                            tmp_path: Path) -> None:
     """scripts/scst_curve.py (README): the demo with --scst per seed, then val CIDEr of the
     cross-entropy model (step 0) and of every kept SCST checkpoint; a second call resumes."""
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("WANDB_", "TORCH_HOME")) and "proxy" not in k.lower()}
     demo = [*shapes_cli_args(shapes_root), "--data.cache_dir", str(tmp_path / "features"),
             "--model.net.weights", "null", "--model.net.hidden_dim", "32",
             "--model.decode.max_len", "6", "--model.scst.samples", "2",
@@ -421,7 +416,7 @@ def test_scst_curve_script_trains_seeds_and_draws_the_curve(shapes_root: Path,
     cmd = [sys.executable, str(REPO / "scripts" / "scst_curve.py"), "--seeds", "0",
            "--every", "1", "--run-root", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
            "--", *demo]
-    env = {**base, "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)}
+    env = user_env(WANDB_MODE="offline", PYTHONPATH=str(REPO))
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     with open(tmp_path / "out" / "results.csv") as f:

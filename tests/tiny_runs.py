@@ -37,10 +37,20 @@ from captioning.lit_module import CaptioningModule
 from captioning.models.captioner import CaptionerConfig, DecodeConfig
 
 REPO = Path(__file__).resolve().parent.parent
+
 NET: dict[str, Any] = {"backbone": "resnet18", "weights": None, "grid_size": 2,
                        "image_size": 64, "embed_dim": 16, "hidden_dim": 32, "attn_dim": 16,
                        "dropout": 0.5}
 BATCHES = 3  # training batches per epoch (of 8 pairs)
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """This process's environment as a user's shell would have it, for a child command: no
+    W&B settings, TORCH_HOME or proxies of the test run (the command sets its own); `extra`
+    on top."""
+    return {**{k: v for k, v in os.environ.items()
+               if not k.startswith(("WANDB_", "TORCH_HOME")) and "proxy" not in k.lower()},
+            **extra}
 
 
 @pytest.fixture
