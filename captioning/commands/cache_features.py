@@ -27,7 +27,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "val", "test")
 FLAGS = ("--verify", "--prune")
 
 
@@ -67,9 +66,10 @@ def split_keys(dm: Any, encoder_config: dict[str, Any]) -> dict[str, tuple[str, 
     """{split: (cache key, image keys)} of each non-empty split, after the image checks that
     training does (so that `on_bad_data: skip` leaves out the same images)."""
     from captioning.data.cache_names import cache_identity
+    from captioning.data.readers import DATA_SPLITS
 
     out = {}
-    for split in SPLITS:
+    for split in DATA_SPLITS:
         if dm.records(split):
             dm.dataset_for(split)  # sets the split up: its images are checked
             key, paths = cache_identity(encoder_config=encoder_config,

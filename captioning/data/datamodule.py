@@ -38,7 +38,14 @@ from captioning.data.datasets import (
 )
 from captioning.data.features import CacheVerify
 from captioning.data.images import ImageLoadError, check_image
-from captioning.data.readers import DataError, ImageRecord, OnError, Problem, split_overlaps
+from captioning.data.readers import (
+    DATA_SPLITS,
+    DataError,
+    ImageRecord,
+    OnError,
+    Problem,
+    split_overlaps,
+)
 from captioning.data.samplers import (
     BucketBatchSampler,
     EpochShuffleSampler,
@@ -56,7 +63,7 @@ log = logging.getLogger(__name__)
 
 _STAGE_SPLITS: dict[str | None, tuple[str, ...]] = {
     "fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": (),
-    None: ("train", "val", "test"),
+    None: DATA_SPLITS,
 }
 
 
@@ -303,7 +310,7 @@ class CaptionDataModule(L.LightningDataModule):
         return []
 
     def setup(self, stage: str | None = None) -> None:
-        splits = _STAGE_SPLITS.get(stage, ("train", "val", "test"))
+        splits = _STAGE_SPLITS.get(stage, DATA_SPLITS)
         bad = [p for split in splits for p in self._check_images(split, raise_now=False)]
         if bad:  # the bad images of every split of the stage, before any step runs
             raise DataError(bad)
@@ -346,7 +353,7 @@ class CaptionDataModule(L.LightningDataModule):
         for split, ds in self._datasets.items():
             ds.inputs = self._make_inputs(self.records(split), split)
 
-    def cache_features(self, splits: Sequence[str] = ("train", "val", "test"),
+    def cache_features(self, splits: Sequence[str] = DATA_SPLITS,
                        ) -> dict[str, FeatureCache]:
         """Build (or find) the feature cache of each non-empty split; after `use_encoder_cache`.
 

@@ -33,6 +33,8 @@ def has_tokens(text: str) -> bool:
 
 OnError = Literal["fail", "skip"]
 SPLITS: tuple[str, ...] = ("train", "restval", "val", "test")
+#: The splits a data module serves (a Karpathy file's restval merged into train, or left out).
+DATA_SPLITS: tuple[str, ...] = ("train", "val", "test")
 _SPLIT_NAMES = frozenset(SPLITS)
 #: How many problems a DataError message lists.
 MAX_LISTED = 10

@@ -37,6 +37,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import IO, Any
 
 from captioning.data.readers import (
+    DATA_SPLITS,
     DataError,
     ImageRecord,
     OnError,
@@ -52,8 +53,6 @@ from captioning.data.sources import DataSource, SourceRecords, carve
 
 log = logging.getLogger(__name__)
 
-#: The split names a caption table may give.
-TABLE_SPLITS: tuple[str, ...] = ("train", "val", "test")
 #: File name endings and the format each one means.
 TABLE_FORMATS: dict[str, str] = {".jsonl": "jsonl", ".csv": "csv"}
 
@@ -148,9 +147,9 @@ def _split(row: dict[str, Any]) -> tuple[str | None, str | None]:
     if "split" not in row:
         return None, None
     value = row["split"]
-    if value in TABLE_SPLITS:
+    if value in DATA_SPLITS:
         return value, None
-    return None, f"unknown split {value!r} (expected one of {', '.join(TABLE_SPLITS)})"
+    return None, f"unknown split {value!r} (expected one of {', '.join(DATA_SPLITS)})"
 
 
 def _line(report: Report, n: int, row: dict[str, Any]) -> _Line | None:
