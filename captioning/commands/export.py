@@ -115,10 +115,6 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _json_block(data: Any) -> str:
-    return "```json\n" + json.dumps(_plain(data), indent=2) + "\n```"
-
-
 def _source_text(model: LoadedModel, data: Mapping[str, Any]) -> str:
     path = model.path
     if path is None or not data:
@@ -135,8 +131,10 @@ def _source_text(model: LoadedModel, data: Mapping[str, Any]) -> str:
     hp = {k: v for k, v in (data.get("hyper_parameters") or {}).items()
           if k not in ("net", "decode") and not str(k).startswith("_")}
     if hp:
+        from captioning.models.pretrained import json_block
+
         lines.append("Training settings (the LightningModule's hyperparameters):\n\n"
-                     + _json_block(hp))
+                     + json_block(_plain(hp)))
     return "\n".join(lines)
 
 
@@ -145,12 +143,14 @@ def _data_text(data: Mapping[str, Any]) -> str:
     if not isinstance(hp, Mapping) or not hp:
         return ("Not recorded in the checkpoint (an inference checkpoint, or one trained "
                 "without the data module).")
+    from captioning.models.pretrained import json_block
+
     source = hp.get("source")
     head = ""
     if isinstance(source, Mapping) and source.get("class_path"):
         head = f"Data source `{str(source['class_path']).rpartition('.')[2]}`. "
     return (head + "The data module's settings, as recorded in the checkpoint:\n\n"
-            + _json_block(hp))
+            + json_block(_plain(hp)))
 
 
 def _results_text(source: Path | None, data: Mapping[str, Any]) -> str:

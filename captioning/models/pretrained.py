@@ -245,15 +245,16 @@ def model_card(model: Mapping[str, Any], decode: Mapping[str, Any], vocab_size: 
         "settings), `vocab.json` (vocabulary), this card. Loading reads JSON and safetensors "
         "only: no pickle, nothing in the folder can run code.",
         *(f"## {heading}\n\n{text.strip()}" for heading, text in sections),
-        "## Model config\n\n" + _json_block(model),
+        "## Model config\n\n" + json_block(model),
         "## Decoding\n\nThe settings captions are decoded with unless told otherwise:\n\n"
-        + _json_block(decode),
+        + json_block(decode),
         _how_to_load(folder),
     ]
     return "\n\n".join(parts) + "\n"
 
 
-def _json_block(data: Any) -> str:
+def json_block(data: Any) -> str:
+    """`data` as an indented JSON code block of a model card (values JSON lacks as strings)."""
     return "```json\n" + json.dumps(data, indent=2, default=str) + "\n```"
 
 
