@@ -141,7 +141,7 @@ def _ptb_tokenize(captions: Mapping[Hashable, list[str]]) -> dict[Hashable, list
     return out_caps
 
 
-def _close_meteor(meteor: Any) -> None:
+def close_meteor(meteor: Any) -> None:
     """Stop the METEOR JVM now (pycocoevalcap only does it in __del__)."""
     proc = meteor.meteor_p
     for stream in (proc.stdin, proc.stdout, proc.stderr):
@@ -178,14 +178,15 @@ def _meteor_score(
         raise RuntimeError(f"METEOR failed: {e}") from e
     finally:
         watchdog.cancel()
-        _close_meteor(meteor)
+        close_meteor(meteor)
     return float(score)
 
 
 # --------------------------------------------------------------------------- SPICE
 
 
-def _spice_dir() -> Path | None:
+def spice_dir_path() -> Path | None:
+    """pycocoevalcap's SPICE folder (where its jars go), or None without pycocoevalcap."""
     import importlib.util
 
     try:
@@ -206,7 +207,7 @@ def spice_available() -> tuple[bool, str]:
     """
     if shutil.which("java") is None:
         return False, "no java executable on PATH"
-    spice_dir = _spice_dir()
+    spice_dir = spice_dir_path()
     if spice_dir is None:
         return False, "pycocoevalcap is not installed"
     jar = spice_dir / "spice-1.0.jar"

@@ -100,7 +100,8 @@ def _glyph_atlas_cpu() -> tuple[Tensor, Tensor, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _glyph_atlas(device: str) -> tuple[Tensor, Tensor, int]:
+def glyph_atlas(device: str) -> tuple[Tensor, Tensor, int]:
+    """The label font's glyphs (atlas, advances, left pad), made once and kept per device."""
     glyphs, advances, pad = _glyph_atlas_cpu()
     return glyphs.to(device), advances.to(device), pad
 
@@ -126,7 +127,7 @@ def render_labels(words: Sequence[str], width: int, height: int,
     text wider than `width` is cut at the right edge.
     """
     device = torch.device(device)
-    atlas, advances, pad = _glyph_atlas(str(device))
+    atlas, advances, pad = glyph_atlas(str(device))
     _, hf, wg = atlas.shape
     m = len(words)
     if m == 0 or height <= 0:

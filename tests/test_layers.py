@@ -126,15 +126,33 @@ def wrong_directions(graph: dict[str, set[str]]) -> list[str]:
     return bad
 
 
-def private_imports(root: Path) -> list[str]:
-    """`from captioning.x import _name` across modules: private names stay in their module."""
+def private_imports(root: Path, *others: Path) -> list[str]:
+    """`from captioning.x import _name`, or `m._name` for a module m of the package, in the
+    package (`root`) and the files under `others` (the tests, the scripts): private names stay
+    in their module."""
     bad = []
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for path in sorted(p for base in (root, *others) for p in base.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        modules: dict[str, str] = {}  # local name -> the package's module it is bound to
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("captioning"):
                 bad += [f"{path.relative_to(root.parent)}: {node.module}.{a.name}"
                         for a in node.names if a.name.startswith("_")]
+                modules.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                                if _is_module(root, f"{node.module}.{a.name}")})
+            elif isinstance(node, ast.Import):
+                modules.update({a.asname: a.name for a in node.names
+                                if a.asname and a.name.startswith("captioning.")})
+        bad += [f"{path.relative_to(root.parent)}: {modules[n.value.id]}.{n.attr}"
+                for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name) and n.value.id in modules
+                and n.attr.startswith("_") and not n.attr.startswith("__")]
     return bad
+
+
+def _is_module(root: Path, dotted: str) -> bool:
+    path = root.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def test_the_package_has_no_import_cycle() -> None:
@@ -146,7 +164,7 @@ def test_imports_run_down_the_layers() -> None:
 
 
 def test_no_module_imports_another_modules_private_names() -> None:
-    assert private_imports(PACKAGE) == []
+    assert private_imports(PACKAGE, PACKAGE.parent / "tests", PACKAGE.parent / "scripts") == []
 
 
 def _write(root: Path, files: Iterable[tuple[str, str]]) -> Path:
@@ -183,6 +201,13 @@ def test_an_upward_import_and_a_private_name_are_caught(tmp_path: Path) -> None:
         "captioning.models.encoder -> captioning.data.datamodule "
         "(captioning.models must not import captioning.data)"]
     assert private_imports(root) == ["captioning/data/datamodule.py: captioning.metrics._helper"]
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "from captioning import metrics\nimport captioning.data.datamodule as dm\n"
+        "metrics._helper()\nmetrics.__name__\ndm._x\n")
+    assert sorted(private_imports(root, tmp_path / "tests")[1:]) == [
+        "tests/test_x.py: captioning.data.datamodule._x",
+        "tests/test_x.py: captioning.metrics._helper"]
 
 
 #: Functions allowed past FUNCTION_LINES: the search and the teacher-forced pass read best whole.

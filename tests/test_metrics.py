@@ -62,7 +62,7 @@ def direct_pycocoevalcap(refs: dict, hyps: dict) -> dict[str, float]:
     bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
     meteor_scorer = Meteor()
     meteor, _ = meteor_scorer.compute_score(gts, res)
-    metrics._close_meteor(meteor_scorer)
+    metrics.close_meteor(meteor_scorer)
     out = {f"BLEU-{i + 1}": b for i, b in enumerate(bleu)}
     out.update(METEOR=meteor, **{"ROUGE-L": Rouge().compute_score(gts, res)[0]},
                CIDEr=Cider().compute_score(gts, res)[0])
@@ -140,7 +140,7 @@ def test_missing_java_is_a_clear_error(monkeypatch) -> None:
 
 def test_spice_unavailable_here_with_a_reason() -> None:
     ok, reason = spice_available()
-    spice_dir = metrics._spice_dir()
+    spice_dir = metrics.spice_dir_path()
     if spice_dir is not None and (spice_dir / "lib" / "stanford-corenlp-3.6.0.jar").is_file():
         pytest.skip("the Stanford CoreNLP jars are installed")
     assert ok is False

@@ -142,8 +142,8 @@ def test_labels_are_written_and_differ() -> None:
 
 
 def test_glyph_atlas_is_cached_per_device() -> None:
-    assert viz._glyph_atlas("cpu") is viz._glyph_atlas("cpu")
-    atlas, advances, _ = viz._glyph_atlas("cpu")
+    assert viz.glyph_atlas("cpu") is viz.glyph_atlas("cpu")
+    atlas, advances, _ = viz.glyph_atlas("cpu")
     assert atlas.shape[0] == 96 and advances[-1] == 0  # 95 printable ASCII + a blank glyph
     assert atlas[ord("A") - 32].max() > 0.5 and atlas[0].max() == 0  # "A" has ink, " " none
 
