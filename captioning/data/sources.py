@@ -209,6 +209,10 @@ class SourceRecords:
         return out
 
 
+#: The folder, beside a source's annotations, that holds its feature caches by default.
+CACHE_FOLDER = "features"
+
+
 class DataSource(abc.ABC):
     """Where images and captions come from. Subclasses take keyword-only constructor arguments
     stored under their own names (`init_args`, equality and `config` rely on it)."""
@@ -227,7 +231,8 @@ class DataSource(abc.ABC):
 
     @abc.abstractmethod
     def cache_root(self) -> Path:
-        """Where feature caches go when the data module has no `cache_dir`."""
+        """Where feature caches go when the data module has no `cache_dir`: a `CACHE_FOLDER`
+        beside the source's annotations."""
 
     @abc.abstractmethod
     def describe(self, split: str) -> str:
@@ -320,7 +325,7 @@ class ShapesSource(DataSource):
                                                   merge_restval=True, on_error=on_error)])
 
     def cache_root(self) -> Path:
-        return self.root / "features"
+        return self.root / CACHE_FOLDER
 
     def describe(self, split: str) -> str:
         return str(self.root / SPLIT_FILE)
@@ -357,7 +362,7 @@ class KarpathySplits(DataSource):
                                                   on_error=on_error)])
 
     def cache_root(self) -> Path:
-        return Path(self.split_file).parent / "features"
+        return Path(self.split_file).parent / CACHE_FOLDER
 
     def describe(self, split: str) -> str:
         return str(self.split_file)
@@ -431,7 +436,7 @@ class CocoCaptions(DataSource):
         by_split[source] = pool
 
     def cache_root(self) -> Path:
-        return Path(self.train_annotations).parent / "features"
+        return Path(self.train_annotations).parent / CACHE_FOLDER
 
     def describe(self, split: str) -> str:
         return str(self.files[split][0] or self.train_annotations)

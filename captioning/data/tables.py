@@ -49,7 +49,7 @@ from captioning.data.readers import (
     read_problem,
     type_name,
 )
-from captioning.data.sources import DataSource, SourceRecords, carve
+from captioning.data.sources import CACHE_FOLDER, DataSource, SourceRecords, carve
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class JsonlCaptions(DataSource):
         by_split["train"] = pool
 
     def cache_root(self) -> Path:
-        return Path(self.root) / "features"
+        return Path(self.root) / CACHE_FOLDER
 
     def describe(self, split: str) -> str:
         return str(self.table)
