@@ -1,34 +1,13 @@
 """The DDP collectives the package shares; outside torch.distributed each leaves its input as
-it is, so single-process code needs no branch of its own. Also the environment of a child
-process that must not inherit its parent's ranks (`fresh_launch_env`)."""
+it is, so single-process code needs no branch of its own. (What a launcher tells a process
+before torch.distributed is set up: `captioning.launch`.)"""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
-
-#: The variables by which a launcher (torchrun, Lightning's DDP) gives a process its rank.
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE",
-                      "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def fresh_launch_env(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` without a launcher's rank variables (`LAUNCHER_VARIABLES`, and SLURM's, which
-    Lightning reads as a cluster's): for a child process that sets up its own ranks, or none."""
-    return {k: v for k, v in env.items()
-            if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-
-
-def launcher_rank_zero(env: Mapping[str, str] | None = None) -> bool:
-    """Whether this process is (or will be) global rank zero, from a launcher's variables
-    (`env`, by default the process's): before a trainer has started and knows its rank."""
-    env = os.environ if env is None else env
-    return all(env.get(k, "0") in ("", "0")
-               for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def is_distributed() -> bool:

@@ -360,12 +360,10 @@ def render_strips(
 def caption_strips(images: Tensor, alphas: Tensor, grid: tuple[int, int],
                    words: Sequence[Sequence[str]], *, points: Tensor | None = None,
                    upsample: str = "bicubic") -> tuple[Tensor, list[Tensor]]:
-    """`render_strips` on the CPU, in float32 whatever the run's precision, of α (and
-    `points`) up to the longest caption: the batch's strips, all as wide as the longest
-    caption's (N, H', W'), and each cut to its own caption's panels."""
-    t = max(1, max((len(w) for w in words), default=0))
-    full = render_strips(images.float(), alphas[:, :t].float(), grid, words,
-                         points=None if points is None else points[:, :t],
+    """`render_strips` on the CPU, of images in float32 whatever the run's precision (α may be
+    wider than the longest caption, and in any float dtype): the batch's strips, all as wide as
+    the longest caption's (N, H', W'), and each cut to its own caption's panels."""
+    full = render_strips(images.float(), alphas, grid, words, points=points,
                          upsample=upsample).cpu()
     width = images.shape[-1]
     return full, [strip[:, : width * (len(w) + 1)] for strip, w in zip(full, words)]

@@ -715,7 +715,7 @@ def start_worker(spec: dict[str, Any], threads: int | None) -> subprocess.Popen[
     """A worker in a fresh process (`finish_worker` waits for its result). `threads`: its
     intra-op threads (OMP_NUM_THREADS). With `spec["code"]` (a `--against` export) the worker
     is that revision's benchmark.py, importing that revision's package."""
-    from captioning.distributed import fresh_launch_env
+    from captioning.launch import fresh_launch_env
 
     env = fresh_launch_env(os.environ)  # a DDP worker sets up its own ranks
     if threads:
@@ -885,7 +885,7 @@ def run_as_worker(spec: dict[str, Any]) -> int:
 
         torch.set_num_threads(spec["threads"])
     result = WORKERS[spec["kind"]](spec)
-    from captioning.distributed import launcher_rank_zero
+    from captioning.launch import launcher_rank_zero
 
     if launcher_rank_zero():
         print(RESULT + json.dumps(result), flush=True)

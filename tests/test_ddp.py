@@ -26,7 +26,7 @@ from ddp_worker import datamodule
 
 from captioning.data.shapes import generate_shapes
 from captioning.data.sources import ShapesSource
-from captioning.distributed import fresh_launch_env
+from captioning.launch import fresh_launch_env
 from captioning.lit_module import CaptioningModule
 from captioning.models.captioner import CaptionerConfig, DecodeConfig
 

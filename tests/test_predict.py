@@ -21,7 +21,7 @@ from captioning.callbacks import CaptionWriter
 from captioning.commands import caption
 from captioning.commands.predict import expand_predict_inputs, is_list_file, main
 from captioning.data.predict import predict_loader
-from captioning.distributed import fresh_launch_env
+from captioning.launch import fresh_launch_env
 
 FAST = ("--accelerator", "cpu", "--num-workers", "0")
 
@@ -263,3 +263,11 @@ def test_ddp_two_processes_merge_every_image_once(trained: Trained, tmp_path: Pa
     want = read_results(single)
     assert [r["caption"] for r in records] == [r["caption"] for r in want]
     assert [r["score"] for r in records] == pytest.approx([r["score"] for r in want], abs=1e-4)
+
+
+def test_predict_help_does_not_import_torch() -> None:
+    """The command parses its arguments before torch and Lightning are imported."""
+    code = ("import sys\nfrom captioning.commands.predict import main\n"
+            "assert main(['--help']) == 0\nassert 'torch' not in sys.modules, 'torch'\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr

@@ -17,7 +17,7 @@ import torch
 from tiny_runs import REPO, cli_config
 
 from captioning.data.datamodule import CaptionDataModule
-from captioning.distributed import fresh_launch_env, launcher_rank_zero
+from captioning.launch import fresh_launch_env, launcher_rank_zero
 
 BIN = Path(sys.executable).parent
 
@@ -143,7 +143,8 @@ def test_slurm_script_parses() -> None:
 
 def test_a_child_launch_drops_the_parents_ranks_and_keeps_the_rest() -> None:
     parent = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "node0",
-              "MASTER_PORT": "29500", "NODE_RANK": "0", "SLURM_PROCID": "1",
+              "MASTER_PORT": "29500", "NODE_RANK": "0", "GROUP_WORLD_SIZE": "1",
+              "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "job", "SLURM_PROCID": "1",
               "SLURM_NTASKS": "2", "PATH": "/usr/bin", "OMP_NUM_THREADS": "4",
               "MY_RANK_NOTE": "kept"}
     assert fresh_launch_env(parent) == {"PATH": "/usr/bin", "OMP_NUM_THREADS": "4",

@@ -180,8 +180,9 @@ def test_batched_equals_one_by_one(batch) -> None:
 
 
 def test_caption_strips_of_a_bf16_run_cut_to_the_longest_caption(batch) -> None:
-    """A generation's maps, wider than its captions (decoding's max_len) and in bf16 (a
-    bf16-mixed run), give the strips of their float32 values up to the longest caption."""
+    """The images and maps of a bf16-mixed run, the maps wider than the captions (decoding's
+    max_len), give the strips of their float32 values up to the longest caption (the images'
+    cast is caption_strips'; render_strips casts and cuts the maps itself)."""
     images, alphas, words = batch
     short = [w[:3] for w in words]  # longest caption: 3 of the 5 steps
     half = alphas.bfloat16()

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from captioning.checkpoint import LoadedModel
 
 
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="captioning export",

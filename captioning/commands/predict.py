@@ -37,7 +37,7 @@ from captioning.commands.caption import (
     overlay_names,
 )
 from captioning.commands.errors import error
-from captioning.distributed import launcher_rank_zero
+from captioning.launch import launcher_rank_zero
 
 if TYPE_CHECKING:
     from captioning.checkpoint import LoadedModel
