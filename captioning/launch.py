@@ -7,7 +7,8 @@ import os
 from collections.abc import Mapping
 
 #: The variables by which a launcher gives a process its rank and its group's rendezvous
-#: (torchrun sets every one of these; Lightning's DDP the first ones).
+#: (torchrun sets every one of these; Lightning's DDP sets LOCAL_RANK, NODE_RANK, WORLD_SIZE,
+#: MASTER_ADDR and MASTER_PORT).
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "ROLE_RANK", "WORLD_SIZE",
                       "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME",
                       "MASTER_ADDR", "MASTER_PORT")
