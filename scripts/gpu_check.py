@@ -27,16 +27,17 @@ Stages (rows of the table):
 * `ddp`: with 2 or more GPUs, cached training on all of them (DDP, bf16-mixed, batch 64 per
   GPU) and its scaling efficiency: global pairs/s / (GPUs x one GPU's pairs/s).
 
-The training and beam rows are `scripts/benchmark.py`'s workers, each in a fresh process, one
-after another (peaks are per row; no row disturbs another; beam search's four settings share
-one). On CUDA a training step's time is its span on the GPU timeline (no sync per step), and
-rates are medians over steps; "data wait" there is the time the GPU waited between steps (from
-one step's end event to the next one's start: the copy, the loader and the loop's host work)
-over the total, and the notes give the host's wait. The table ends with each stage's seconds. Captions are synthetic COCO-like
-ones (10k-word vocabulary) over the shapes images. `--cpu` (automatic without CUDA) runs every
-stage at tiny sizes (resnet18 at 64 px, 4x4 grid, a 32-unit decoder) in this process, with the
-GPU tests and a 2-process DDP run (gloo) in subprocesses alongside: it checks the command, and
-its figures mean nothing. The exit status is 1 when a GPU test or a stage failed.
+The training and beam rows are the benchmark's workers (`bench/workers.py`), each in a fresh
+process, one after another (peaks are per row; no row disturbs another; beam search's four
+settings share one). On CUDA a training step's time is its span on the GPU timeline (no sync per
+step), and rates are medians over steps; "data wait" there is the time the GPU waited between
+steps (from one step's end event to the next one's start: the copy, the loader and the loop's
+host work) over the total, and the notes give the host's wait. The table ends with each stage's
+seconds. Captions are synthetic COCO-like ones (10k-word vocabulary) over the shapes images.
+`--cpu` (automatic without CUDA) runs every stage at tiny sizes (resnet18 at 64 px, 4x4 grid, a
+32-unit decoder) in this process, with the GPU tests and a 2-process DDP run (gloo) in
+subprocesses alongside: it checks the command, and its figures mean nothing. The exit status is
+1 when a GPU test or a stage failed.
 """
 
 from __future__ import annotations
@@ -59,8 +60,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmark workers
-import benchmark
 import benchmark_overlays
+from bench.data import make_base, make_coco_karpathy
+from bench.process import finish_worker, run_worker, start_worker
+from bench.report import describe_machine, summarize_train
+from bench.workers import WORKERS, build_run
 
 log = logging.getLogger("gpu_check")
 
@@ -97,8 +101,8 @@ class Check:
     def run(self, spec: dict[str, Any]) -> dict[str, Any]:
         """A benchmark worker: in this process on the CPU, else in a fresh one."""
         if self.cpu:
-            return benchmark.WORKERS[spec["kind"]](spec)
-        return benchmark.run_worker(spec, self.threads)
+            return WORKERS[spec["kind"]](spec)
+        return run_worker(spec, self.threads)
 
     def train_spec(self, precision: str, batch: int, **kw: Any) -> dict[str, Any]:
         return {**self.base, "kind": "train", "attention": "soft", "cached": True,
@@ -119,7 +123,7 @@ def train_row(check: Check, stage: str, config: str, res: dict[str, Any] | list[
     """Add a training row from a worker's result (or several rounds' results, pooled);
     returns its (global) pairs/s."""
     rounds = res if isinstance(res, list) else [res]
-    s = benchmark.summarize_train(rounds)
+    s = summarize_train(rounds)
     rate = s["captions_per_s"] * world
     utils = [r["gpu_util"] for r in rounds if r.get("gpu_util") is not None]
     util = sum(utils) / len(utils) if utils else None  # the rounds' mean
@@ -259,7 +263,7 @@ def stage_ddp(check: Check, res: dict[str, Any] | None) -> None:
     n, batch = res["world_size"], check.base["batch_size"]
     single = check.single.get(("bf16-mixed", batch))
     if single is None:
-        single = benchmark.summarize_train([check.run(check.train_spec("bf16-mixed", batch))])[
+        single = summarize_train([check.run(check.train_spec("bf16-mixed", batch))])[
             "captions_per_s"]
     rate = train_row(check, "ddp", f"{n} {'processes' if check.cpu else 'GPUs'}, bf16-mixed, "
                      f"batch {batch} each", res, world=n)
@@ -288,7 +292,7 @@ def jpeg_set(check: Check) -> tuple[str, str, str]:
                     im.convert("RGB").resize((w, h), Image.BICUBIC).save(folder / name,
                                                                           quality=90)
             found.append(name)
-    split = benchmark.make_coco_karpathy(
+    split = make_coco_karpathy(
         check.work / "jpeg_captions.json", filenames=names, captions=0,
         splits={"train": 64 if check.cpu else 20_000, "val": len(names["val"])})
     return str(split), str(folder), f"{w}x{h}"
@@ -358,11 +362,11 @@ def synthesize_coco_cache(check: Check) -> tuple[dict[str, Any], str]:
     n, notes = coco_count(check, locations * dim * 2)
     t0 = time.perf_counter()
     names = linked_images(folder / "images", n + n_val)
-    split = benchmark.make_coco_karpathy(folder / "captions.json", filenames=names, captions=0,
+    split = make_coco_karpathy(folder / "captions.json", filenames=names, captions=0,
                                          splits={"train": n, "val": n_val})
     spec.update(split_file=str(split), image_root=str(folder / "images"))
     L.seed_everything(0, verbose=False)
-    module, dm = benchmark.build_run(spec, cached=True)
+    module, dm = build_run(spec, cached=True)
     dm.use_encoder_cache(RandomGrids(locations, dim), module.captioner.feature_cache_key(),
                          device="cpu")
     cache = dm.cache_features(["train"])["train"]
@@ -426,11 +430,11 @@ def prepare(args: argparse.Namespace, work: Path) -> Check:
     """The check's shapes data and base spec: the paper configuration on a GPU, tiny sizes
     with --cpu."""
     if args.cpu:
-        base = benchmark.make_base(work, encoder="resnet18", grid_size=4, tiny=True,
+        base = make_base(work, encoder="resnet18", grid_size=4, tiny=True,
                                    batch_size=4, num_train=16, num_val=8, image_size=64,
                                    steps=2, warmup=1, threads=args.threads or 1)
     else:
-        base = benchmark.make_base(work, device="cuda", paper=True, batch_size=64,
+        base = make_base(work, device="cuda", paper=True, batch_size=64,
                                    num_train=640, num_val=64, image_size=224,
                                    steps=args.steps, warmup=args.warmup, threads=args.threads)
     return Check(cpu=args.cpu, work=work, base=base, threads=base["threads"],
@@ -471,13 +475,13 @@ def run_checks(args: argparse.Namespace, check: Check) -> None:
         finish_gpu_tests(check, tests)
         check.seconds["tests"] = time.perf_counter() - t0  # after the cache: the rest of them
     spec = ddp_spec(check) if "ddp" in stages else None
-    ddp = benchmark.start_worker(spec, check.threads) if spec and check.cpu else None
+    ddp = start_worker(spec, check.threads) if spec and check.cpu else None
     for name in STAGES:
         if name in steps and name in stages:
             run_stage(check, name, lambda f=steps[name]: f(check))
     if "ddp" in stages:
         def ddp_row() -> None:
-            res = benchmark.finish_worker(ddp, "train") if ddp is not None else (
+            res = finish_worker(ddp, "train") if ddp is not None else (
                 check.run(spec) if spec else None)
             stage_ddp(check, res)
         run_stage(check, "ddp", ddp_row)
@@ -491,7 +495,7 @@ def print_table(check: Check) -> None:
         "paper configuration: VGG-19 14x14x512 (random weights, frozen), embed/attn 512, "
         f"LSTM 1800; {check.base['steps']} timed steps per training row after "
         f"{check.base['warmup']} warm-up steps; medians")
-    print(f"\nmachine: {benchmark.describe_machine(check.base['device'], check.threads)}")
+    print(f"\nmachine: {describe_machine(check.base['device'], check.threads)}")
     print(f"gpu-check, {mode}")
     cols = [("stage", "stage"), ("configuration", "config"), ("result", "result"),
             ("step ms", "step_ms"), ("data wait", "wait"), ("peak MB", "peak"),

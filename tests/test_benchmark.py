@@ -44,7 +44,7 @@ def test_flops_of_onednn_products_are_counted() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     sys.path.insert(0, str(REPO / "scripts"))
-    import benchmark
+    from bench.probes import onednn_flop_formulas
 
     from captioning.models.pass_grads import RecurrentProduct
 
@@ -54,7 +54,7 @@ def test_flops_of_onednn_products_are_counted() -> None:
     for onednn in (False, True):
         w = torch.randn(12, 20, requires_grad=True)
         x, bias = torch.randn(6, 12, requires_grad=True), torch.randn(6, 20)
-        with FlopCounterMode(display=False, custom_mapping=benchmark.onednn_flop_formulas()) as m:
+        with FlopCounterMode(display=False, custom_mapping=onednn_flop_formulas()) as m:
             product = RecurrentProduct(w, onednn=onednn)
             assert product.onednn == onednn
             product(bias, x).sum().backward()
@@ -71,7 +71,7 @@ def test_a_pass_counts_the_same_flops_on_the_native_path_as_on_aten(by_image: bo
     from torch.utils.flop_counter import FlopCounterMode
 
     sys.path.insert(0, str(REPO / "scripts"))
-    import benchmark
+    from bench.probes import flop_formulas, onednn_flop_formulas
 
     from captioning.models import native
     from captioning.models.decoder import AttentionLSTMDecoder
@@ -88,14 +88,14 @@ def test_a_pass_counts_the_same_flops_on_the_native_path_as_on_aten(by_image: bo
         decoder = AttentionLSTMDecoder(vocab_size=30, feature_dim=24, embed_dim=16,
                                        hidden_dim=20, attn_dim=12)
         decoder.use_fast_path(mode)
-        with FlopCounterMode(display=False, custom_mapping=benchmark.flop_formulas()) as m:
+        with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as m:
             out = decoder(grid, captions, lengths)
             (out.logits.sum() + out.alphas.sum()).backward()
         counts[mode] = m.get_total_flops()
         by_op = m.get_flop_counts()["Global"]
         assert (torch.ops.captioning_native.additive_score in by_op) == (mode == "native")
     assert counts["native"] == counts["off"]
-    without = FlopCounterMode(display=False, custom_mapping=benchmark.onednn_flop_formulas())
+    without = FlopCounterMode(display=False, custom_mapping=onednn_flop_formulas())
     with without:
         out = decoder(grid, captions, lengths)
         (out.logits.sum() + out.alphas.sum()).backward()
@@ -140,12 +140,13 @@ def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
 def test_issue17_preset_sets_the_issue_setting() -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
+    from bench.report import grid_description
 
     args = benchmark.parse_args(["--preset", "issue17", "--steps", "4"])
     assert (args.encoder, args.image_size, args.grid_size, args.batch_size, args.threads,
             args.num_train) == ("resnet18", 256, 14, 32, 2, 1500)
     assert args.roofline and args.rows == "cached,grouped" and args.steps == 4  # a flag wins
-    assert benchmark.grid_description(args) == "14x14x512"
+    assert grid_description(args) == "14x14x512"
 
 
 def _has_revision(rev: str) -> bool:
@@ -180,6 +181,7 @@ def test_against_adds_the_by_image_row_for_revisions_that_have_it(tmp_path: Path
     gets its by-image row too; an older one only its cached soft row."""
     sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
+    from bench.report import GROUPED
 
     exports = {}
     for rev, text in (("new", "group_by_image: bool = False"), ("old", "bucketing: bool")):
@@ -189,10 +191,10 @@ def test_against_adds_the_by_image_row_for_revisions_that_have_it(tmp_path: Path
         exports[rev] = str(tmp_path / rev)
     args = benchmark.parse_args(["--rows", "cached,grouped", "--attentions", "soft"])
     names = [name for name, _ in benchmark.train_configs(args, "w.pt", exports)]
-    assert f"{benchmark.GROUPED}, code at new" in names
-    assert f"{benchmark.GROUPED}, code at old" not in names
+    assert f"{GROUPED}, code at new" in names
+    assert f"{GROUPED}, code at old" not in names
     assert {"train, cached, soft, code at new", "train, cached, soft, code at old"} <= set(names)
-    spec = dict(benchmark.train_configs(args, "w.pt", exports))[f"{benchmark.GROUPED}, code at new"]
+    spec = dict(benchmark.train_configs(args, "w.pt", exports))[f"{GROUPED}, code at new"]
     assert spec == {"code": exports["new"], "group_by_image": True}
 
 
@@ -200,22 +202,22 @@ def test_summary_of_gpu_timeline_periods_and_of_host_steps() -> None:
     """A CUDA round's steps are its GPU-timeline periods (no per-step sync); a CPU round's
     are host step plus wait. A compiling step's outlier moves the mean, not the median."""
     sys.path.insert(0, str(REPO / "scripts"))
-    import benchmark
+    from bench.report import summarize_train
 
     base = {"real": 0, "rows": 0, "peak_mb": 0.0, "notes": ""}
     gpu = {**base, "steps": [0.001] * 4, "waits": [0.001] * 4, "sizes": [64] * 4,
            "periods": [0.010, 0.010, 0.010, 1.0]}
-    s = benchmark.summarize_train([gpu])
+    s = summarize_train([gpu])
     assert s["captions_per_s"] == 6400.0 and abs(s["step_ms"] - 10.0) < 1e-9
     assert abs(s["wait"] - 0.1) < 1e-12 and s["wait_on"] == "host"
     assert abs(s["mean_captions_per_s"] - 256 / 1.03) < 1e-9
     # The GPU's own waits between steps, where recorded: their total over the periods' total.
-    s = benchmark.summarize_train([{**gpu, "gpu_waits": [0.0, 0.003, 0.0, 0.0]}])
+    s = summarize_train([{**gpu, "gpu_waits": [0.0, 0.003, 0.0, 0.0]}])
     assert s["wait_on"] == "gpu" and abs(s["wait"] - 0.003 / 1.03) < 1e-12
     assert abs(s["host_wait"] - 0.1) < 1e-12
-    both = benchmark.summarize_train([{**gpu, "gpu_waits": [0.001] * 4}, gpu])
+    both = summarize_train([{**gpu, "gpu_waits": [0.001] * 4}, gpu])
     assert both["wait_on"] == "host"  # one round without them: the host measure for all
     cpu = {**base, "steps": [0.3, 0.3, 0.5], "waits": [0.1, 0.1, 0.1], "sizes": [32] * 3}
-    s = benchmark.summarize_train([cpu])
+    s = summarize_train([cpu])
     assert s["captions_per_s"] == 80.0 and abs(s["step_ms"] - 300.0) < 1e-9
     assert abs(s["wait"] - 0.25) < 1e-12

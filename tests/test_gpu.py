@@ -237,18 +237,20 @@ def check_step_timer_reads_the_gpu_timeline(device: str, work: Path) -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import benchmark
+    from bench.data import make_base
+    from bench.report import summarize_train
+    from bench.workers import worker_train
 
-    base = benchmark.make_base(work, device=device, encoder="resnet18", grid_size=4, tiny=True,
+    base = make_base(work, device=device, encoder="resnet18", grid_size=4, tiny=True,
                                batch_size=4, num_train=16, num_val=8, image_size=64, steps=3)
     for warmup in (0, 1):
-        res = benchmark.worker_train({**base, "kind": "train", "attention": "soft",
+        res = worker_train({**base, "kind": "train", "attention": "soft",
                                       "cached": True, "num_workers": 0, "warmup": warmup,
                                       "precision": "bf16-mixed"})
         assert len(res["periods"]) == len(res["gpu_waits"]) == len(res["steps"]) == 3
         assert all(0 <= w <= p for w, p in zip(res["gpu_waits"], res["periods"]))
         assert all(p > 0 for p in res["periods"])
-        assert benchmark.summarize_train([res])["wait_on"] == "gpu"
+        assert summarize_train([res])["wait_on"] == "gpu"
 
 
 @pytest.mark.parametrize("attention", ["soft", "hard"])
