@@ -24,10 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench.workers import never_end
 from torch import Tensor
 
 from captioning.models.decoder import AttentionLSTMDecoder
-from captioning.models.decoding import Generation, SpecialIds, beam_search
+from captioning.models.decoding import Generation, beam_search
 
 log = logging.getLogger("benchmark_beam")
 
@@ -42,8 +43,7 @@ def random_setup(args: argparse.Namespace) -> tuple[AttentionLSTMDecoder, Tensor
     torch.manual_seed(0)
     decoder = AttentionLSTMDecoder(vocab_size=args.vocab_size, feature_dim=args.dim,
                                    embed_dim=128, hidden_dim=256, attn_dim=128, dropout=0.0)
-    with torch.no_grad():  # untrained captions would end at once: never emit <end> instead
-        decoder.out.bias[SpecialIds().end] = -1e4
+    never_end(decoder)
     features = torch.randn(args.n, args.locations, args.dim).relu()  # post-ReLU activations
     return decoder.eval(), features, {"max_len": args.max_len}
 

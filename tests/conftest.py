@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from captioning.data.shapes import generate_shapes
 from captioning.data.sources import ShapesSource
 from captioning.vocab import tokenize
 
+# scripts/ on the path, as when a script runs: the benchmark's parts (bench/) and gpu_check
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 pytest.register_assert_rewrite("tiny_runs")  # its helpers' asserts report in detail
 from tiny_runs import cache_dir, fitted, signal_handlers_restored  # noqa: E402, F401 (fixtures)
 

@@ -41,10 +41,8 @@ def test_flops_of_onednn_products_are_counted() -> None:
     """The native path's recurrent product by oneDNN counts the FLOPs of the addmm it
     replaces: forward, and the backward's product (the weight's, one product over the pass,
     is an ATen mm either way)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    sys.path.insert(0, str(REPO / "scripts"))
     from bench.probes import onednn_flop_formulas
+    from torch.utils.flop_counter import FlopCounterMode
 
     from captioning.models.pass_grads import RecurrentProduct
 
@@ -68,10 +66,8 @@ def test_a_pass_counts_the_same_flops_on_the_native_path_as_on_aten(by_image: bo
     as the ATen operations they replace: a teacher-forced pass and its backward count the
     same FLOPs with `fast_path` native and off, with captions of distinct images and of
     repeated ones, and more than without the kernels' formulas."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    sys.path.insert(0, str(REPO / "scripts"))
     from bench.probes import flop_formulas, onednn_flop_formulas
+    from torch.utils.flop_counter import FlopCounterMode
 
     from captioning.models import native
     from captioning.models.decoder import AttentionLSTMDecoder
@@ -138,7 +134,6 @@ def test_roofline_and_profile_at_a_tiny_size(tmp_path: Path) -> None:
 
 
 def test_issue17_preset_sets_the_issue_setting() -> None:
-    sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
     from bench.report import grid_description
 
@@ -179,7 +174,6 @@ def test_against_a_revision_adds_its_row(tmp_path: Path) -> None:
 def test_against_adds_the_by_image_row_for_revisions_that_have_it(tmp_path: Path) -> None:
     """With `grouped` asked for, an `--against` revision whose data module has batches by image
     gets its by-image row too; an older one only its cached soft row."""
-    sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
     from bench.report import GROUPED
 
@@ -201,7 +195,6 @@ def test_against_adds_the_by_image_row_for_revisions_that_have_it(tmp_path: Path
 def test_summary_of_gpu_timeline_periods_and_of_host_steps() -> None:
     """A CUDA round's steps are its GPU-timeline periods (no per-step sync); a CPU round's
     are host step plus wait. A compiling step's outlier moves the mean, not the median."""
-    sys.path.insert(0, str(REPO / "scripts"))
     from bench.report import summarize_train
 
     base = {"real": 0, "rows": 0, "peak_mb": 0.0, "notes": ""}

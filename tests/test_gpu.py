@@ -15,6 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bench.data import make_base
+from bench.report import summarize_train
+from bench.workers import never_end, worker_train
 from PIL import Image
 
 from captioning.data.features import FeatureCache
@@ -87,7 +90,7 @@ def trained_looking_captioner() -> Captioner:
     captioner = Captioner(tiny_net()).eval()
     with torch.no_grad():
         captioner.decoder.out.weight.mul_(8)
-        captioner.decoder.out.bias[SpecialIds().end] = -1e4
+    never_end(captioner.decoder)
     return captioner
 
 
@@ -234,19 +237,11 @@ def check_step_timer_reads_the_gpu_timeline(device: str, work: Path) -> None:
     """The benchmark's training worker times CUDA steps by events, without a sync per step:
     one period (end to end) and one GPU wait per timed step, each wait within its period,
     with or without warm-up steps before them."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from bench.data import make_base
-    from bench.report import summarize_train
-    from bench.workers import worker_train
-
     base = make_base(work, device=device, encoder="resnet18", grid_size=4, tiny=True,
-                               batch_size=4, num_train=16, num_val=8, image_size=64, steps=3)
+                     batch_size=4, num_train=16, num_val=8, image_size=64, steps=3)
     for warmup in (0, 1):
-        res = worker_train({**base, "kind": "train", "attention": "soft",
-                                      "cached": True, "num_workers": 0, "warmup": warmup,
-                                      "precision": "bf16-mixed"})
+        res = worker_train({**base, "kind": "train", "attention": "soft", "cached": True,
+                            "num_workers": 0, "warmup": warmup, "precision": "bf16-mixed"})
         assert len(res["periods"]) == len(res["gpu_waits"]) == len(res["steps"]) == 3
         assert all(0 <= w <= p for w, p in zip(res["gpu_waits"], res["periods"]))
         assert all(p > 0 for p in res["periods"])

@@ -61,7 +61,6 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
 def test_the_gpu_tests_are_collected_from_their_own_modules_only() -> None:
     """A bare GPU machine may lack what other test modules import (pycocoevalcap): pytest
     -m gpu collects only the modules that hold GPU tests."""
-    sys.path.insert(0, str(REPO / "scripts"))
     import gpu_check
 
     names = {Path(f).name for f in gpu_check.gpu_test_files()}

@@ -20,6 +20,17 @@ from bench.probes import (
 )
 
 
+def never_end(decoder: Any) -> None:
+    """Make `decoder` never emit <end> (its output bias to -1e4), so that every caption runs to
+    the length limit: an untrained decoder would otherwise stop at once."""
+    import torch
+
+    from captioning.models.decoding import SpecialIds
+
+    with torch.no_grad():
+        decoder.out.bias[SpecialIds().end] = -1e4
+
+
 def build_run(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
     """(CaptioningModule, CaptionDataModule) through `captioning fit`'s own parser, from the
     project's configs (paper_soft.yaml with --paper, else demo_soft.yaml at benchmark sizes)."""
@@ -153,16 +164,13 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
     import lightning.pytorch as L
     import torch
 
-    from captioning.models.decoding import SpecialIds
-
     L.seed_everything(0, verbose=False)
     device = torch.device(spec["device"])
     module, dm = build_run(spec, cached=True)
     attach_cache(module, dm, spec["device"])
     if spec.get("weights") and Path(spec["weights"]).exists():
         module.load_state_dict(torch.load(spec["weights"], map_location="cpu"))
-    with torch.no_grad():
-        module.captioner.decoder.out.bias[SpecialIds().end] = -1e4
+    never_end(module.captioner.decoder)
     module.to(device).eval()
     ds = dm.dataset_for("val")
     n = spec["beam_images"]
