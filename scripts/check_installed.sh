@@ -42,7 +42,7 @@ rm -rf "$WORK/venv"
 "$PYTHON" -m venv "$WORK/venv"
 BIN="$WORK/venv/bin"
 "$BIN/pip" install -q --upgrade pip
-"$BIN/pip" install -q torch==2.14.1 torchvision==0.29.1 || "$BIN/pip" install -q torch torchvision
+"$BIN/pip" install -q -r "$REPO/requirements-torch.txt" || "$BIN/pip" install -q torch torchvision
 "$BIN/pip" install -q "$WHEEL"
 
 step "use it from a folder outside the checkout"
