@@ -133,13 +133,22 @@ def write_results(results: EvalResults, split: str, folder: str | Path) -> Path:
 
 
 def set_aside_results(folder: str | Path, split: str, rank_zero: bool = True) -> list[Path]:
-    """Rename an earlier run's `{split}_captions.json` / `{split}_metrics.json` in `folder` to
-    `{split}_*.previous.json` before a new pass, so that files beside a run are its own (a
-    killed pass leaves none) and nothing is lost. Returns the renamed files' new paths."""
-    moved = []
-    for old in results_files(folder, split):
-        if rank_zero and old.is_file():
-            moved.append(old.replace(old.with_suffix(".previous.json")))
-    if moved:
-        log.info("moved the previous %s results aside: %s", split, ", ".join(map(str, moved)))
+    """Rename an earlier run's `{split}_captions.json` / `{split}_metrics.json` in `folder`
+    before a new pass, so that files beside a run are its own (a killed pass leaves none) and
+    nothing is lost: to `{split}_*.previous.json`, or where earlier passes were set aside
+    already, `.previous-2.json`, `-3`, ... (the first number free for both files, so a pass's
+    two files keep one number; the higher, the later). Returns the renamed files' new paths."""
+    present = [old for old in results_files(folder, split) if old.is_file()]
+    if not rank_zero or not present:
+        return []
+    n = 1
+    while any(aside_name(old, n).exists() for old in results_files(folder, split)):
+        n += 1
+    moved = [old.replace(aside_name(old, n)) for old in present]
+    log.info("moved the previous %s results aside: %s", split, ", ".join(map(str, moved)))
     return moved
+
+
+def aside_name(path: Path, n: int) -> Path:
+    """The `n`-th set-aside name of a results file: `x.previous.json`, `x.previous-2.json`..."""
+    return path.with_suffix(".previous.json" if n == 1 else f".previous-{n}.json")

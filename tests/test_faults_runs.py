@@ -154,7 +154,7 @@ def test_sigterm_during_predict_is_one_line(tmp_path: Path, write_png: object) -
 
 def test_a_test_run_sets_the_previous_results_aside(tmp_path: Path) -> None:
     """An earlier (or killed) test's files are renamed before a new pass writes its own: the
-    files beside a run are its own, and nothing is deleted."""
+    files beside a run are its own, and nothing is deleted, however many passes ran before."""
     from captioning.evaluation import EvalResults, set_aside_results, write_results
 
     old = EvalResults(hypotheses={1: "old caption"}, metrics={"BLEU-4": 0.5})
@@ -165,6 +165,19 @@ def test_a_test_run_sets_the_previous_results_aside(tmp_path: Path) -> None:
     assert not (tmp_path / "test_metrics.json").exists()
     assert "old caption" in (tmp_path / "test_captions.previous.json").read_text()
     assert set_aside_results(tmp_path, "test") == []  # nothing left to move
+    # Later passes' files get the next free number, for both files alike: none is overwritten.
+    for caption in ("second caption", "third caption"):
+        write_results(EvalResults(hypotheses={1: caption}, metrics={}), "test", tmp_path)
+        set_aside_results(tmp_path, "test")
+    (tmp_path / "test_captions.previous-2.json").unlink()  # a user removed one file of a pass
+    write_results(EvalResults(hypotheses={1: "fourth caption"}, metrics={}), "test", tmp_path)
+    assert sorted(p.name for p in set_aside_results(tmp_path, "test")) == [
+        "test_captions.previous-4.json", "test_metrics.previous-4.json"]
+    texts = {p.name: p.read_text() for p in tmp_path.glob("test_captions.*.json")}
+    assert {name: next(c for c in ("old", "second", "third", "fourth") if c in text)
+            for name, text in texts.items()} == {
+        "test_captions.previous.json": "old", "test_captions.previous-3.json": "third",
+        "test_captions.previous-4.json": "fourth"}
 
 
 SLOW_SCORING = slow_command("captioning.metrics", "coco_scores", "scoring")
