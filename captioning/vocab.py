@@ -9,12 +9,13 @@ and references.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import sys
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ class Vocabulary:
 
     pad_id, start_id, end_id, unk_id = 0, 1, 2, 3
 
-    def __init__(self, words: Sequence[str]) -> None:
+    def __init__(self, words: Sequence[str], *, origin: dict[str, Any] | None = None) -> None:
         words = list(words)
         bad = next((i for i, w in enumerate(words) if not isinstance(w, str)), None)
         if bad is not None:
@@ -75,6 +76,10 @@ class Vocabulary:
             raise ValueError("vocabulary has duplicate words")
         self.itos: list[str] = words
         self.stoi: dict[str, int] = {w: i for i, w in enumerate(words)}
+        #: What `build` made it from (`vocab_origin`): settings and a digest of the word
+        #: counts; None for a vocabulary given as a word list. Not part of `to_dict`: only the
+        #: data module's shared file records it (`captioning.data.vocab_file`).
+        self.origin = origin
 
     @classmethod
     def build(
@@ -90,7 +95,7 @@ class Vocabulary:
                        key=lambda w: (-counts[w], w))
         if max_size is not None:
             words = words[: max(0, max_size - len(SPECIALS))]
-        return cls([*SPECIALS, *words])
+        return cls([*SPECIALS, *words], origin=vocab_origin(counts, min_count, max_size))
 
     def __len__(self) -> int:
         return len(self.itos)
@@ -142,3 +147,19 @@ class Vocabulary:
             return cls.from_dict(data)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
+
+
+def vocab_origin(counts: Mapping[str, int], min_count: int, max_size: int | None) -> dict[str, Any]:
+    """What a vocabulary is built from: its settings, and a digest of the word counts (the
+    training captions, as far as the vocabulary can tell them apart)."""
+    digest = hashlib.sha256()
+    for word, n in sorted(counts.items()):
+        digest.update(f"{word}\t{n}\n".encode())
+    return {"min_count": min_count, "max_size": max_size, "counts": digest.hexdigest()[:16]}
+
+
+def origin_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> dict[str, str]:
+    """{field: what differs} between a saved vocabulary's origin and the one wanted now."""
+    return {key: ("built from other training captions" if key == "counts" else
+                  f"built with {saved.get(key)!r}, this run's is {value!r}")
+            for key, value in wanted.items() if saved.get(key) != value}

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from captioning.atomic import write_atomic
 from captioning.choices import check_choice
 from captioning.data.datasets import (
     CachedInputs,
@@ -54,6 +53,7 @@ from captioning.data.samplers import (
 )
 from captioning.data.sources import DataSource, ObjectBoxes, ShapesSource
 from captioning.data.transforms import build_image_transform
+from captioning.data.vocab_file import load_or_build_vocab
 from captioning.vocab import Vocabulary
 
 if TYPE_CHECKING:
@@ -87,6 +87,7 @@ class CaptionDataModule(L.LightningDataModule):
     The vocabulary is loaded from `vocab_path` when that file exists, else built from the
     training captions the readers accepted (`min_word_count`: None means the source's
     `default_min_word_count`, 1 for shapes and 5 otherwise; `max_vocab_size`) and saved there.
+    A file built so records its settings and captions, and a run with others stops (DataError).
     It is available right after construction (`vocab`, `vocab_size`), before `setup`, and does
     not depend on the image-file checks.
 
@@ -99,8 +100,7 @@ class CaptionDataModule(L.LightningDataModule):
     `skipped` ({"captions", "images", "image_files"}) and logged.
     Training batches are length-bucketed (`length_bucketing`), or with `group_by_image` hold
     each image's captions together, so that a frozen encoder and the key projection run once
-    per image (`ImageBatchSampler`): on the CPU at issue 17's benchmark setting, 2.3x for
-    uncached training and 1.04-1.16x with cached features (docs/benchmarks.md).
+    per image (`ImageBatchSampler`; its speed-up is in docs/benchmarks.md).
     `cache_verify`: how much of a feature cache is checked when opened (see `features`): every
     block's hash (`full`), each block on its first read (`lazy`), or sizes only (`size`).
     """
@@ -216,32 +216,21 @@ class CaptionDataModule(L.LightningDataModule):
     @property
     def vocab(self) -> Vocabulary:
         if self._vocab is None:
-            self._vocab = self._load_or_build_vocab()
+            self._vocab = load_or_build_vocab(self.vocab_path or None, self._build_vocab)
         return self._vocab
 
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)
 
-    def _load_or_build_vocab(self) -> Vocabulary:
-        path = Path(self.vocab_path) if self.vocab_path else None
-        if path is not None and path.exists():
-            vocab = Vocabulary.load(path)
-            log.info("loaded vocabulary of %d words from %s", len(vocab), path)
-            return vocab
+    def _build_vocab(self) -> Vocabulary:
         train = self.records("train")
         if not train:
             raise ValueError("cannot build a vocabulary: the training split is empty")
         counts = self._train_tokens(train).counts()
         # Vocabulary.build counts tokens itself: feed each word `count` times.
-        vocab = Vocabulary.build(([w] * n for w, n in counts.items()),
-                                 min_count=self.min_word_count, max_size=self.max_vocab_size)
-        log.info("built vocabulary of %d words (min_count=%d, max_size=%s)", len(vocab),
-                 self.min_word_count, self.max_vocab_size)
-        if path is not None:  # write atomically: DDP ranks may race here
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, vocab.save)
-        return vocab
+        return Vocabulary.build(([w] * n for w, n in counts.items()),
+                                min_count=self.min_word_count, max_size=self.max_vocab_size)
 
     def state_dict(self) -> dict[str, Any]:
         return {"vocab": self.vocab.to_dict()}
