@@ -85,15 +85,16 @@ def gather(results: EvalResults) -> EvalResults:
 
 
 def compute_metrics(results: EvalResults, *, grid: tuple[int, int],
-                    grounding: ObjectBoxes | None = None,
-                    image_size: int | None = None) -> dict[str, float]:
-    """coco-caption scores, plus objects correct and pointing accuracy when the data source
-    has object boxes (`grounding`). Also fills `results.cider` (each image's CIDEr-D)."""
+                    grounding: ObjectBoxes | None = None, image_size: int | None = None,
+                    spice: bool = False) -> dict[str, float]:
+    """coco-caption scores (with SPICE when `spice` and it can run), plus objects correct and
+    pointing accuracy when the data source has object boxes (`grounding`). Also fills
+    `results.cider` (each image's CIDEr-D)."""
     from captioning.metrics import coco_scores, objects_correct
     from captioning.pointing import pointing_accuracy
 
     with sigterm_raises():  # scoring runs Java for a while: SIGTERM stops it, not after it
-        metrics = coco_scores(results.references, results.hypotheses,
+        metrics = coco_scores(results.references, results.hypotheses, spice=spice,
                               per_image_cider=results.cider)
     if grounding is None:
         return metrics

@@ -36,6 +36,7 @@ class CaptioningModule(L.LightningModule):
     `advantage` names the hard-attention REINFORCE estimator (`captioning.objectives.ESTIMATORS`),
     `reward` its reward: `sum` over the caption's words (the paper) or `mean` (capgen.py).
     `objective: scst`: SCST fine-tuning (`scst`), from `init_from`'s weights (the CLI loads them).
+    `spice`: SPICE too, in the test pass only (it needs the CoreNLP jars; else a warning says why).
     `fused_adam`: Adam's fused kernel; None: on CPU or CUDA, unless 16-mixed scales the loss.
     With it the non-finite check costs no host sync (`captioning.optim.StepGuard`)."""
 
@@ -60,6 +61,7 @@ class CaptioningModule(L.LightningModule):
         scst: ScstConfig = ScstConfig(),  # noqa: B008 (a frozen dataclass)
         init_from: str | None = None,
         compute_metrics: bool = True,
+        spice: bool = False,
         results_dir: str | None = None,
         fast_path: FastPathSetting = "auto",
         fast_bucket: int = 8,
@@ -271,7 +273,8 @@ class CaptioningModule(L.LightningModule):
             dm = getattr(self.trainer, "datamodule", None)
             metrics = compute_metrics(results, grid=self.captioner.grid,
                                       grounding=getattr(dm, "grounding", None),
-                                      image_size=getattr(dm, "image_size", None))
+                                      image_size=getattr(dm, "image_size", None),
+                                      spice=self.hparams.spice and prefix == "test")
         results.metrics = metrics = broadcast_object(metrics)  # rank zero's, on every rank
         for name, value in metrics.items():
             self.log(f"{prefix}/{name}", value, rank_zero_only=False, sync_dist=False)
