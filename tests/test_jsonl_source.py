@@ -369,3 +369,32 @@ def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
     assert {c["image_id"] for c in captions} == set(scored) == test_ids and len(test_ids) == 4
     assert all(isinstance(i, str) and i.endswith(".png") for i in test_ids)
     assert json.loads((out / "test_metrics.json").read_text())["BLEU-4"] == 0.125  # as scored
+
+
+def test_every_problem_of_the_data_is_listed_at_once(tmp_path: Path) -> None:
+    """With `on_bad_data: fail` one error lists the bad captions (in the file's order) and the
+    images that are missing or cannot be read, so that one look fixes them all."""
+    for i in range(6):
+        Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / f"{i}.png")
+    (tmp_path / "4.png").write_bytes(b"not a png")
+    (tmp_path / "5.png").unlink()
+    lines = [_line(f"{i}.png", f"a red circle {i}") for i in range(6)]
+    lines[2]["caption"] = " "  # line 3: found as the line is read
+    lines[1]["split"] = "train"  # line 2: found once every line is read (all lines or none)
+    _write_jsonl(tmp_path / "captions.jsonl", lines)
+    dm = CaptionDataModule(source=JsonlCaptions(root=str(tmp_path), val_size=1, test_size=1),
+                           feature_cache=False, image_size=8)
+    with pytest.raises(DataError) as err:
+        _ = dm.vocab
+    found = [(p.entry, p.field) for p in err.value.problems]
+    assert found[:2] == [("line 2", "split"), ("line 3", "caption")], found
+    assert sorted((Path(p.file).name, p.field) for p in err.value.problems[2:]) == [
+        ("4.png", "image"), ("5.png", "image")]
+    assert "4 problems in the data" in str(err.value)
+    # Not asked to check images: the captions only.
+    unchecked = CaptionDataModule(source=JsonlCaptions(root=str(tmp_path), val_size=1,
+                                                       test_size=1),
+                                  feature_cache=False, image_size=8, validate_images=False)
+    with pytest.raises(DataError) as err:
+        _ = unchecked.vocab
+    assert [p.entry for p in err.value.problems] == ["line 2", "line 3"]

@@ -12,10 +12,8 @@ return (L, D) feature tensors instead (`use_encoder_cache`).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +34,7 @@ from captioning.data.datasets import (
     TokenIndex,
 )
 from captioning.data.features import CacheVerify
-from captioning.data.images import ImageLoadError, check_image
+from captioning.data.images import image_problems
 from captioning.data.readers import (
     DATA_SPLITS,
     DataError,
@@ -65,6 +63,12 @@ _STAGE_SPLITS: dict[str | None, tuple[str, ...]] = {
     "fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": (),
     None: DATA_SPLITS,
 }
+
+
+def _bad_images(records: Sequence[ImageRecord], reasons: Sequence[str | None],
+                split: str) -> list[Problem]:
+    return [Problem(str(r.path), f"{split} image {r.image_id!r}", "image", why)
+            for r, why in zip(records, reasons) if why is not None]
 
 
 def _check_arguments(source: DataSource | None, on_bad_data: str, **sizes: int) -> None:
@@ -189,9 +193,16 @@ class CaptionDataModule(L.LightningDataModule):
         if self._records is not None:
             return self._records
         t0 = time.perf_counter()
-        read = self.source.read(self.on_bad_data)
+        fail = self.on_bad_data == "fail"
+        read = self.source.read("skip" if fail else self.on_bad_data)  # "fail": all, below
         by_split = read.splits
         leaks = split_overlaps(by_split, self.source.describe)
+        if fail and read.problems:  # in one list: the annotations', then the other images'
+            images = [(split, by_split.get(split, [])) for split in DATA_SPLITS
+                      if self.validate_images]
+            raise DataError([*read.problems, *leaks, *(
+                p for split, records in images
+                for p in _bad_images(records, image_problems([r.path for r in records]), split))])
         if leaks:
             raise DataError(leaks)
         self.skipped["captions"] += read.skipped_captions
@@ -268,19 +279,8 @@ class CaptionDataModule(L.LightningDataModule):
             return []
         records = self._load_records()[split]
         t0 = time.perf_counter()
-
-        def check(r: ImageRecord) -> str | None:
-            try:
-                check_image(r.path)
-            except ImageLoadError as e:
-                return e.reason
-            return None
-
-        workers = min(32, 4 * (os.cpu_count() or 1))
-        with ThreadPoolExecutor(workers) as pool:
-            reasons = list(pool.map(check, records, chunksize=256))
-        bad = [Problem(str(r.path), f"{split} image {r.image_id!r}", "image", why)
-               for r, why in zip(records, reasons) if why is not None]
+        reasons = image_problems([r.path for r in records])
+        bad = _bad_images(records, reasons, split)
         log.info("checked %d %s images in %.1fs (%d bad)", len(records), split,
                  time.perf_counter() - t0, len(bad))
         if bad:

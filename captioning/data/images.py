@@ -11,7 +11,8 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -201,6 +202,20 @@ def _header_orientation(im: Image.Image) -> int:
         return int(exif.get(ExifTags.Base.Orientation, 1))
     except Exception:  # unreadable EXIF: load_image ignores it too
         return 1
+
+
+def image_problems(paths: Sequence[str | os.PathLike[str]]) -> list[str | None]:
+    """Why each image cannot be used (`check_image`'s reason), or None where it can; checked
+    in threads (the checks wait on the disk)."""
+    def reason(path: str | os.PathLike[str]) -> str | None:
+        try:
+            check_image(path)
+        except ImageLoadError as e:
+            return e.reason
+        return None
+
+    with ThreadPoolExecutor(min(32, 4 * (os.cpu_count() or 1))) as pool:
+        return list(pool.map(reason, paths, chunksize=256))
 
 
 def check_image(path: str | os.PathLike[str]) -> tuple[int, int]:

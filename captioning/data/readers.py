@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,10 +130,16 @@ class Report:
                 self.skipped_images += 1
 
     def finish(self, records: list[ImageRecord], on_error: str) -> Records:
+        self.problems.sort(key=lambda p: entry_order(p.entry))  # in the file's order
         if self.problems and on_error == "fail":
             raise DataError(self.problems)
         return Records(records, problems=self.problems, skipped_images=self.skipped_images,
                        skipped_captions=self.skipped_captions)
+
+
+def entry_order(entry: str) -> list[Any]:
+    """A sort key that puts "line 9" before "line 10" and "images[2]" before "images[10]"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", entry)]
 
 
 def type_name(value: Any) -> str:
