@@ -208,6 +208,70 @@ def test_cli_user_errors_are_one_line(args: list[str], status: int, words: str,
     assert words.replace("{tmp}", str(tmp_path)) in line
 
 
+def test_config_file_mistakes_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken YAML file and an unknown key in a config file: the line names the file (and,
+    for the key, the closest valid one); an unknown flag gets the closest valid flag."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.yaml").write_text("trainer:\n  max_epochs: 2\n  devices: [1,\n")
+    (tmp_path / "ok.yaml").write_text("trainer:\n  max_epochs: 2\n")
+    (tmp_path / "typo.yaml").write_text("model:\n  net:\n    hiden_dim: 64\n")
+    (tmp_path / "model.yaml").write_text("decode:\n  beam_sise: 3\n")
+    cases = [
+        (["--config", "ok.yaml", "--config", "broken.yaml"],
+         "error: broken.yaml: invalid YAML at line 4, column 1: expected the node content, but "
+         "found '<stream end>' (while parsing a flow node at line 4, column 1)"),
+        (["--config", "ok.yaml", "--config=typo.yaml"],
+         "error: typo.yaml: Subcommand 'fit' does not accept option 'model.net.hiden_dim'; did "
+         "you mean model.net.hidden_dim?"),
+        (["--model", "model.yaml"],
+         "error: model.yaml: Subcommand 'fit' does not accept option 'model.decode.beam_sise'; "
+         "did you mean model.decode.beam_size?"),
+        (["--model.net.hiden_dim", "64"],
+         "error: unrecognized arguments: --model.net.hiden_dim 64; did you mean "
+         "--model.net.hidden_dim?"),
+    ]
+    for args, want in cases:
+        assert main(["fit", *args, "--trainer.logger", "false"]) == 2
+        assert error_lines(capsys.readouterr().err) == [want]
+
+
+def test_a_gpu_config_without_a_gpu_says_to_use_the_cpu(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+
+    for accelerator in (CUDAAccelerator, MPSAccelerator):  # this machine has no GPU
+        monkeypatch.setattr(accelerator, "is_available", staticmethod(lambda: False))
+    cfg = cli_config(tmp_path / "c.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    for accelerator, words in (("gpu", "No supported gpu backend found!"),
+                               ("cuda", "`CUDAAccelerator` can not run on your system")):
+        assert main(["fit", "--config", str(cfg), "--trainer.accelerator", accelerator]) == 2
+        (line,) = error_lines(capsys.readouterr().err)
+        assert line.startswith(f"error: {words}")
+        assert line.endswith("(no GPU is usable on this machine: use --config trainer/cpu or "
+                             "--trainer.accelerator cpu)")
+
+
+def test_python_m_captioning_is_the_captioning_command(tmp_path: Path) -> None:
+    """`python -m captioning` runs `captioning.cli.main`, the console script's entry point."""
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert scripts["project"]["scripts"]["captioning"] == "captioning.cli:main"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    run = [sys.executable, "-m", "captioning"]
+    proc = subprocess.run([*run, "--help"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: captioning COMMAND")
+    proc = subprocess.run([*run, "fit", "--config", "missing.yaml"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == [
+        "error: missing.yaml: no such file, and no shipped config of that name (`captioning "
+        "configs` lists them)"]
+
+
 def test_parser_error_line() -> None:
     assert parser_error_line('Parser key "data.on_bad_data":\n  Expected a typing.Literal['
                              "'fail', 'skip']. Got value: maybe") == \

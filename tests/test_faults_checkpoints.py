@@ -3,7 +3,9 @@
 * `last.ckpt` is the newest state (every epoch end, every N steps; the best kept apart), and
   a `kill -9` within an epoch resumes from the latest step, continuing that epoch exactly.
 * a full disk or a `kill -9` during a save leaves the previous checkpoint intact.
-* `--ckpt_path last|best|FOLDER` goes through the same checks as a path.
+* `--ckpt_path last|best|FOLDER` goes through the same checks as a path; a run folder means
+  its checkpoints/last.ckpt; `validate`/`test` without weights and resuming past
+  `max_epochs` are one line.
 * a checkpoint without Lightning's keys is one line.
 * an explicit architecture flag that disagrees with the checkpoint is one line.
 
@@ -364,6 +366,82 @@ def test_fit_ckpt_path_last_without_any_checkpoint_starts_afresh(
     assert f"--ckpt_path last: no checkpoint in {tmp_path / 'ckpt'}" in line
     assert main(["fit", "--config", str(cfg), "--ckpt_path", "last"]) == 0
     assert step_of(tmp_path / "ckpt" / "last.ckpt") == BATCHES
+
+
+def test_ckpt_path_run_folder_means_its_checkpoints_last_ckpt(
+        shapes_dm_kwargs: dict, cache_dir: Path, run: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Row: `--ckpt_path RUN` (checkpoints in RUN/checkpoints, the shipped configs' dirpath) was
+    # refused as "a folder without last.ckpt".
+    folder = tmp_path / "my-run"
+    shutil.copytree(run, folder / "checkpoints")
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    assert main(["test", "--config", str(cfg), "--ckpt_path", str(folder)]) == 0
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["ckpt_path"] == str(folder / "checkpoints" / "last.ckpt")
+    (folder / "checkpoints" / "last.ckpt").unlink()  # the refusal lists where it looked
+    assert main(["test", "--config", str(cfg), "--ckpt_path", str(folder)]) == 1
+    (line,) = error_lines(capsys.readouterr().err)
+    assert f"no {folder / 'last.ckpt'} nor {folder / 'checkpoints' / 'last.ckpt'}" in line
+    (best,) = (folder / "checkpoints").glob("best-*.ckpt")
+    assert f"it holds {best} (epoch " in line  # named, not used
+
+
+@pytest.mark.parametrize("command", ["validate", "test"])
+def test_evaluating_without_a_checkpoint_is_refused(
+        command: str, shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Row: `test` without --ckpt_path scored the random initial weights (BLEU-4 ~1e-14) and
+    # wrote results that pushed out the real ones.
+    results = tmp_path / "results"
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    assert main([command, "--config", str(cfg), "--model.compute_metrics", "true",
+                 "--model.results_dir", str(results)]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert line.startswith(f"error: {command} needs trained weights: pass --ckpt_path with a "
+                           "checkpoint file, `last`, `best`, a run folder or an exported model")
+    assert not results.exists() and not (tmp_path / "config.yaml").exists()
+
+
+def test_test_with_model_init_from_needs_no_ckpt_path(
+        shapes_dm_kwargs: dict, cache_dir: Path, run: Path, tmp_path: Path) -> None:
+    """`model.init_from` gives the weights too: scored as with --ckpt_path."""
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    args = ["test", "--config", str(cfg), "--model.compute_metrics", "true"]
+    assert main([*args, "--model.init_from", str(run / "last.ckpt"),
+                 "--model.results_dir", str(tmp_path / "a")]) == 0
+    assert main([*args, "--ckpt_path", str(run / "last.ckpt"),
+                 "--model.results_dir", str(tmp_path / "b")]) == 0
+    got, want = (json.loads((tmp_path / r / "test_metrics.json").read_text()) for r in "ab")
+    assert got == pytest.approx(want)
+
+
+def test_resuming_past_max_epochs_is_one_line(shapes_dm_kwargs: dict, cache_dir: Path,
+                                              ckpt_dir: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # Row: `fit --trainer.max_epochs 1 --ckpt_path last` of a 3-epoch run printed Lightning's
+    # MisconfigurationException traceback.
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, ckpt_dir)
+    assert main(["fit", "--config", str(cfg), "--trainer.max_epochs", "3",
+                 "--ckpt_path", "last"]) == 0  # the 2-epoch run, one epoch more
+    before = digest(ckpt_dir / "last.ckpt")
+    assert main(["fit", "--config", str(cfg), "--trainer.max_epochs", "1",
+                 "--ckpt_path", "last"]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert line == (f"error: --ckpt_path {ckpt_dir / 'last.ckpt'}: the checkpoint is at epoch 2 "
+                    "(3 epochs trained), but trainer.max_epochs is 1; to train on from it pass "
+                    "--trainer.max_epochs 4 or more, or start a new run without --ckpt_path")
+    assert digest(ckpt_dir / "last.ckpt") == before
+    # Lightning's own refusal (after the data setup), should it come first, reads the same way
+    from captioning.commands.hints import restored_past_max
+
+    lightning = ("You restored a checkpoint with current_epoch=10, but you have set "
+                 "Trainer(max_epochs=2).")
+    assert restored_past_max(lightning, "x.ckpt") == (
+        "--ckpt_path x.ckpt: the checkpoint is at epoch 10, but trainer.max_epochs is 2; to "
+        "train on from it pass a larger --trainer.max_epochs, or start a new run without "
+        "--ckpt_path")
+    assert restored_past_max("something else", "x.ckpt") is None
 
 
 # ------------------------------------------------------------------------------------------

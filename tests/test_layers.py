@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("captioning.evaluation",),
     ("captioning.lit_module", "captioning.callbacks"),
     ("captioning.commands",),
-    ("captioning.cli",),
+    ("captioning.cli", "captioning.__main__"),
 )
 SIBLINGS_APART = {("captioning.data", "captioning.models"), ("captioning.models", "captioning.data")}
 

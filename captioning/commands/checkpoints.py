@@ -9,7 +9,8 @@ before Lightning opens it (exported model folders are read in `commands.lightnin
   Lightning does, so that a job script can always pass it); the other commands refuse.
 * `best`: the best checkpoint that a metric-monitoring `ModelCheckpoint` recorded in its state,
   read from the newest readable checkpoint of the run.
-* a folder of checkpoints: its `last.ckpt`.
+* a folder of checkpoints: its `last.ckpt`; a run folder (`default_root_dir`):
+  its `checkpoints/last.ckpt`.
 
 An unreadable file is never replaced by another one silently: the error names the newest good
 checkpoint beside it, to pass explicitly.
@@ -40,6 +41,8 @@ from captioning.checkpoint import (
 log = logging.getLogger(__name__)
 
 LAST = f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
+#: The checkpoint folder inside a run folder (`default_root_dir`), as in the shipped configs.
+RUN_CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ def checkpoint_folders(trainer: Mapping[str, Any]) -> list[CheckpointFolder]:
         if cls is None or not issubclass(cls, ModelCheckpoint):
             continue
         args = vars(cb) if isinstance(cb, ModelCheckpoint) else dict(cb.get("init_args") or {})
-        folder = Path(str(args.get("dirpath") or root / "checkpoints"))
+        folder = Path(str(args.get("dirpath") or root / RUN_CHECKPOINTS))
         saves_last = issubclass(cls, LatestCheckpoint) or bool(args.get("save_last"))
         found.append(CheckpointFolder(folder, saves_last, args.get("monitor")))
     return found
@@ -92,7 +95,7 @@ def last_file(folders: Sequence[CheckpointFolder], trainer: Mapping[str, Any], c
     """`last.ckpt` of the run; None for `fit` when the run has no checkpoint yet."""
     root = Path(str(trainer.get("default_root_dir") or "."))
     first = next((f for f in folders if f.saves_last), folders[0] if folders else None)
-    folder = first.folder if first else root / "checkpoints"
+    folder = first.folder if first else root / RUN_CHECKPOINTS
     path = folder / LAST
     if path.exists():
         return path
@@ -148,15 +151,20 @@ def _recorded_best(candidate: Path, monitors: Sequence[CheckpointFolder]) -> Pat
 
 
 def folder_file(folder: Path, *, resume: bool) -> Path:
-    """A folder of checkpoints names its `last.ckpt`."""
-    path = folder / LAST
-    if path.exists():
-        return path
-    older = older_good_checkpoint(path, resume=resume)
+    """A folder names its `last.ckpt`, or, for a run folder, `checkpoints/last.ckpt` (where the
+    shipped trainer configs' checkpoint callbacks write: `default_root_dir/checkpoints`)."""
+    places = [folder, folder / RUN_CHECKPOINTS]
+    for place in places:
+        if (place / LAST).exists():
+            return place / LAST
+    older = next((o for o in (older_good_checkpoint(p / LAST, resume=resume) for p in places)
+                  if o is not None), None)
     hint = (f"; it holds {older[0]} ({checkpoint_summary(older[1])}): pass that file")\
         if older else ""
-    raise CheckpointNotFoundError(f"{folder}: is a folder without {LAST}, and not an exported "
-                                  f"model (no config.json or model.safetensors){hint}")
+    looked = " nor ".join(str(p / LAST) for p in places)
+    raise CheckpointNotFoundError(f"{folder}: is a folder without a checkpoint (no {looked}), "
+                                  "and not an exported model (no config.json or "
+                                  f"model.safetensors){hint}")
 
 
 def explicit_conflicts(args: Sequence[str], config: Any, hparams: Mapping[str, Any],

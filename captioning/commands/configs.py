@@ -66,10 +66,36 @@ def resolve_config_args(args: Sequence[str]) -> list[str]:
         group = None if flag == "--config" else flag[2:]
         if eq:
             if value and _looks_like_file(value):
-                out[i] = f"{flag}={find_config(value, group)}"
+                out[i] = f"{flag}={check_yaml(find_config(value, group))}"
         elif i + 1 < len(out) and not out[i + 1].startswith("-") and _looks_like_file(out[i + 1]):
-            out[i + 1] = str(find_config(out[i + 1], group))
+            out[i + 1] = str(check_yaml(find_config(out[i + 1], group)))
     return out
+
+
+def check_yaml(path: Path) -> Path:
+    """`path`, once its YAML parses; else a `ConfigError` naming the file, line and column
+    (the parser behind `--config` would name only "<unicode string>")."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            yaml.safe_load(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason})") from None
+    except yaml.MarkedYAMLError as e:
+        where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" \
+            if e.problem_mark is not None else ""
+        context = ""
+        if e.context:
+            start = e.context_mark
+            context = f" ({e.context}" + (f" at line {start.line + 1}, column "
+                                          f"{start.column + 1})" if start is not None else ")")
+        raise ConfigError(f"{path}: invalid YAML{where}: {e.problem}{context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
+    except (ValueError, TypeError):
+        pass  # a value safe_load cannot build (`2024-02-30`), which --config reads as text
+    return path
 
 
 def trainer_config_in(path: Path, run_dir: Path, *, without: Iterable[str] = ()

@@ -9,12 +9,18 @@
   (e.g. `--model.net.hidden_dim`) is an error naming both values;
 * `model.init_from: CKPT` starts a run from a trained model's weights (SCST after cross-entropy):
   see `CaptioningCLI._apply_init_from`;
-* a constructor that refuses a value becomes a `ConfigError` (one line, exit status 2);
+* `validate`, `test` (and `predict`) refuse to run without weights: no `--ckpt_path` and no
+  `model.init_from` would score the random initial weights (`hints.no_weights_message`);
+* `fit --ckpt_path` of a checkpoint past `trainer.max_epochs` is one line naming both numbers;
+* a constructor that refuses a value becomes a `ConfigError` (one line, exit status 2); a GPU
+  trainer config on a machine without one says to use `trainer/cpu`;
+* an unknown key names the config file that holds it and the closest valid key;
 * W&B's folders go inside the logger's `save_dir`.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -24,7 +30,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
@@ -39,6 +44,16 @@ from captioning.checkpoint import (
 from captioning.commands.checkpoints import explicit_conflicts, resolve_ckpt_path
 from captioning.commands.configs import resolve_config_args
 from captioning.commands.errors import ConfigError, user_error_types
+from captioning.commands.hints import (
+    EVALUATING,
+    checkpoint_epochs,
+    max_epochs_message,
+    no_gpu_message,
+    no_weights_message,
+    restored_past_max,
+    unknown_option_message,
+    yaml_lookup,
+)
 from captioning.data.datamodule import CaptionDataModule
 from captioning.lit_module import CaptioningModule
 from captioning.locks import claim_folder
@@ -92,17 +107,8 @@ def given(args: Sequence[str], key: str) -> bool:
 
 def yaml_has(path: str, key: str) -> bool:
     """Whether the YAML file at `path` sets the dotted `key` (class_path/init_args aware)."""
-    try:
-        node: Any = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    for part in key.split("."):
-        if isinstance(node, dict) and part not in node and isinstance(node.get("init_args"), dict):
-            node = node["init_args"]  # class_path / init_args form
-        if not isinstance(node, dict) or node.get(part) is None:
-            return False
-        node = node[part]
-    return True
+    found, value = yaml_lookup(path, key)
+    return found and value is not None
 
 
 class CaptioningCLI(LightningCLI):
@@ -121,7 +127,20 @@ class CaptioningCLI(LightningCLI):
         # `lightning_cli` always passes the arguments (config names resolved to files), so
         # LightningCLI's warning about `args` given beside `sys.argv` would be about our wiring.
         self._raw_args = args
-        self.config = parser.parse_args(args)
+        try:
+            self.config = parser.parse_args(args)
+        except argparse.ArgumentError as e:
+            better = unknown_option_message(str(e), list(args or []), self._known_keys(args))
+            if better is None:
+                raise
+            raise argparse.ArgumentError(None, better) from None
+
+    def _known_keys(self, args: Sequence[str] | None) -> list[str]:
+        """The keys the parser of the command in `args` accepts (dotted, e.g. "trainer.devices")."""
+        parsers = getattr(self, "_subcommand_parsers", None) or {}
+        command = next((a for a in args or [] if a in parsers), None)
+        parser = parsers[command] if command is not None else self.parser
+        return list(parser.get_defaults().keys())
 
     def _parse_ckpt_path(self) -> None:
         """Check the checkpoint (one read: missing, unsafe or corrupt files end in one line);
@@ -136,11 +155,17 @@ class CaptioningCLI(LightningCLI):
             return
         if not sub:
             return
+        if sub in EVALUATING and not ckpt_path and not self.config[sub].get("model.init_from"):
+            raise ConfigError(no_weights_message(sub))  # else: random weights, scored
         # `last`, `best` and folders become one file, checked like any other (checkpoints.py)
         ckpt_path, data = resolve_ckpt_path(ckpt_path, self.config[sub]["trainer"], sub)
         self.config[sub]["ckpt_path"] = ckpt_path
         if data is None:
             return
+        max_epochs, epochs = self.config[sub]["trainer"].get("max_epochs"), checkpoint_epochs(data)
+        if sub == "fit" and epochs is not None and max_epochs not in (None, -1) \
+                and epochs[0] > max_epochs:  # Lightning's own check, before the data setup
+            raise ConfigError(max_epochs_message(ckpt_path, epochs[0], max_epochs, epochs[1]))
         hparams = upgrade_hparams(data.get("hyper_parameters") or {})
         hparams.pop("_instantiator", None)
         if hparams:
@@ -192,7 +217,19 @@ class CaptioningCLI(LightningCLI):
             raise CheckpointError(str(e)) from None
         except (ValueError, MisconfigurationException, ModuleNotFoundError) as e:
             # a constructor refused a value, or an option needs a package not installed
-            raise ConfigError(str(e)) from e
+            raise ConfigError(no_gpu_message(str(e)) or str(e)) from e
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        try:
+            super()._run_subcommand(subcommand)
+        except MisconfigurationException as e:
+            ckpt_path = self.config[subcommand].get("ckpt_path")
+            message = restored_past_max(str(e), ckpt_path)
+            if message is None:
+                raise
+            raise ConfigError(message) from e
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         # The data module owns the vocabulary; the model is sized from it.
