@@ -357,6 +357,11 @@ def expected_word_log_likelihoods(captioner: Captioner, features: Tensor, batch:
     return ll
 
 
+#: The module's settings that decide the training loss (and so `val/loss`, `test/loss`): an
+#: exported model folder keeps them, so that testing it scores as its checkpoint does.
+LOSS_SETTINGS = ("objective", "doubly_stochastic", "reward_scale", "entropy_weight",
+                 "baseline_momentum", "advantage", "reward", "scst")
+
 #: Training settings and the values they must take: (low, high, low inclusive, high inclusive).
 SETTING_RANGES = {"encoder_lr": (0.0, math.inf, False, False),
                   "decoder_lr": (0.0, math.inf, False, False),

@@ -392,24 +392,40 @@ def test_a_trained_checkpoint_exports_and_captions_alike(trained: Trained, tmp_p
 def test_lightning_test_takes_an_exported_folder(shapes_dm_kwargs: dict[str, Any],
                                                  cache_dir: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    """`captioning test --ckpt_path DIR` scores exactly as `--ckpt_path CKPT` does; `fit`
-    refuses a folder (it holds no training state) in one line."""
+    """`captioning test --ckpt_path DIR` scores exactly as `--ckpt_path CKPT` does, the loss
+    too (the folder keeps the run's loss settings); `fit` refuses a folder (it holds no
+    training state) in one line."""
+    import csv
+
+    import yaml
     from tiny_runs import cli_config, error_lines
 
     ckpt_dir = tmp_path / "ckpt"
     cfg = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir)
-    assert cli_main(["fit", "--config", str(cfg)]) == 0
+    data = yaml.safe_load(cfg.read_text())
+    data["model"]["doubly_stochastic"] = 0.25  # not the default: the test loss depends on it
+    trained_with = tmp_path / "fit.yaml"  # the tests below run with the default's config
+    trained_with.write_text(yaml.safe_dump(data))
+    assert cli_main(["fit", "--config", str(trained_with)]) == 0
     folder = tmp_path / "m"
     assert export("--checkpoint", str(ckpt_dir / "last.ckpt"), "--out", str(folder)) == 0
-    captions, metrics = {}, {}
+    assert json.loads((folder / "config.json").read_text())["training"]["doubly_stochastic"] \
+        == 0.25
+    captions, metrics, losses = {}, {}, {}
     for name, path in (("ckpt", ckpt_dir / "last.ckpt"), ("dir", folder)):
         out = tmp_path / f"results-{name}"
+        logger = json.dumps({"class_path": "lightning.pytorch.loggers.CSVLogger",
+                             "init_args": {"save_dir": str(out), "name": "csv"}})
         assert cli_main(["test", "--config", str(cfg), "--ckpt_path", str(path),
-                     "--model.compute_metrics", "true", "--model.results_dir", str(out)]) == 0
+                         "--model.compute_metrics", "true", "--model.results_dir", str(out),
+                         "--trainer.logger", logger]) == 0
         captions[name] = json.loads((out / "test_captions.json").read_text())
         metrics[name] = json.loads((out / "test_metrics.json").read_text())
+        [rows] = [list(csv.DictReader(f.open())) for f in out.glob("csv/*/metrics.csv")]
+        losses[name] = next(float(r["test/loss"]) for r in rows if r.get("test/loss"))
     assert captions["dir"] == captions["ckpt"] and captions["dir"]
     assert metrics["dir"] == metrics["ckpt"] and "CIDEr" in metrics["dir"]  # to the last digit
+    assert losses["dir"] == losses["ckpt"]
     before = {p.name: p.read_bytes() for p in ckpt_dir.iterdir()}
     capsys.readouterr()
     assert cli_main(["fit", "--config", str(cfg), "--ckpt_path", str(folder)]) == 2

@@ -70,12 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         model = load_checkpoint(a.checkpoint, map_location="cpu")
-        card = build_card(model, folder=str(out))
+        data = run_record(model)
+        card = build_card(model, data, folder=str(out))
     except CheckpointError as e:
         error(str(e))
         return 2
     try:
-        model.captioner.save_pretrained(out, vocab=model.vocab, decode=model.decode, card=card)
+        model.captioner.save_pretrained(out, vocab=model.vocab, decode=model.decode, card=card,
+                                        training=loss_settings(model, data))
     except OSError as e:
         error(f"--out {out}: cannot write the model folder ({e.strerror or e})")
         return 2
@@ -84,15 +86,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # -- the model card -----------------------------------------------------------------------------
-def build_card(model: LoadedModel, *, folder: str) -> str:
-    """The README.md of `model`'s folder, with what its checkpoint records of the run."""
+def run_record(model: LoadedModel) -> Mapping[str, Any]:
+    """What `model`'s checkpoint file holds besides the weights ({} for a model folder)."""
     from captioning.checkpoint import read_checkpoint
+
+    if model.path is None or not model.path.is_file():
+        return {}
+    return read_checkpoint(model.path, "cpu", mmap=True)  # tensors stay on disk
+
+
+def loss_settings(model: LoadedModel, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's loss settings (`LOSS_SETTINGS`): from the checkpoint's hyperparameters (`data`),
+    or from a model folder's config.json; {} where neither records them."""
+    from captioning.checkpoint import upgrade_hparams
+    from captioning.models.pretrained import CONFIG_FILE, read_config
+    from captioning.objectives import LOSS_SETTINGS
+
+    if model.path is not None and model.path.is_dir():
+        return read_config(model.path / CONFIG_FILE)[2]
+    hp = upgrade_hparams(dict(data.get("hyper_parameters") or {}))
+    return {k: _plain(hp[k]) for k in LOSS_SETTINGS if k in hp}
+
+
+def build_card(model: LoadedModel, data: Mapping[str, Any], *, folder: str) -> str:
+    """The README.md of `model`'s folder, with what its checkpoint (`data`) records of the run."""
     from captioning.models.pretrained import model_card
 
     source = model.path
-    data: Mapping[str, Any] = {}
-    if source is not None and source.is_file():
-        data = read_checkpoint(source, "cpu", mmap=True)  # tensors stay on disk
     config = {**model.captioner.config.to_dict(), "weights": None}
     sections = [("Source", _source_text(model, data)),
                 ("Training data", _data_text(data)),

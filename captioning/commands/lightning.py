@@ -59,9 +59,11 @@ from captioning.lit_module import CaptioningModule
 from captioning.locks import claim_folder
 from captioning.models.captioner import DecodeConfig
 from captioning.models.pretrained import (
+    CONFIG_FILE,
     VOCAB_FILE,
     PretrainedError,
     is_pretrained_dir,
+    read_config,
     read_model_folder,
 )
 
@@ -71,7 +73,8 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 #: Model settings that only affect decoding and outputs: a checkpoint's stored values give way
 #: to the ones the user set in a config file or on the command line.
 USER_WINS = (*(f"model.decode.{f.name}" for f in fields(DecodeConfig)), "model.compute_metrics",
-             "model.results_dir", "model.fast_path", "model.fast_bucket", "model.net.hard_decode")
+             "model.spice", "model.results_dir", "model.fast_path", "model.fast_bucket",
+             "model.net.hard_decode")
 #: Settings that only decide how a model is initialised: with a checkpoint every weight comes
 #: from it, so a flag that differs from the checkpoint's is no conflict.
 INIT_ONLY = ("model.net.weights", "model.init_from")
@@ -187,8 +190,10 @@ class CaptioningCLI(LightningCLI):
             self.config[sub][k] = v
 
     def _use_model_folder(self, sub: str, folder: Path) -> dict[str, Any]:
-        """Read an exported model folder for `--ckpt_path DIR`: its vocabulary becomes the data
-        module's (unless `--data.vocab_path` is given) and the run starts from no checkpoint."""
+        """Read an exported model folder for `--ckpt_path DIR`: its model settings (the network,
+        decoding and, where config.json has them, the loss settings) are returned, its
+        vocabulary becomes the data module's (unless `--data.vocab_path` is given) and the run
+        starts from no checkpoint."""
         if sub == "fit":
             raise ConfigError(f"--ckpt_path {folder}: an exported model folder has no training "
                               "state to resume; use it with validate, test, caption or predict")
@@ -201,7 +206,7 @@ class CaptioningCLI(LightningCLI):
             self.config[sub]["data"]["vocab_path"] = str(folder / VOCAB_FILE)
         self.config[sub]["ckpt_path"] = None
         return {"net": {**self._model_folder.model, "weights": None},
-                "decode": self._model_folder.decode}
+                "decode": self._model_folder.decode, **self._model_folder.training}
 
     def instantiate_classes(self) -> None:
         from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -254,8 +259,8 @@ class CaptioningCLI(LightningCLI):
         if not path or cfg.get("ckpt_path"):
             return
         loaded = load_checkpoint(path)  # the one safe reader: missing or unsafe -> one line
-        hp = {} if Path(path).is_dir() else upgrade_hparams(
-            read_checkpoint(path, mmap=True).get("hyper_parameters") or {})
+        hp = read_config(Path(path) / CONFIG_FILE)[2] if Path(path).is_dir() else \
+            upgrade_hparams(read_checkpoint(path, mmap=True).get("hyper_parameters") or {})
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
         carried = {k: v for k, v in hp.items() if k not in (*INIT_FROM_KEEPS, "net", "decode")
                    and k in cfg["model"] and not given(raw, f"model.{k}")}

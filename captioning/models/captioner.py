@@ -10,6 +10,7 @@ weights, JSON config and vocabulary, a model card; see `captioning.models.pretra
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -266,11 +267,13 @@ class Captioner(nn.Module):
 
     # -- shareable model folders (captioning.models.pretrained) --------------------------------
     def save_pretrained(self, path: str | os.PathLike[str], *, vocab: Vocabulary | None = None,
-                        decode: DecodeConfig | None = None, card: str | None = None) -> Path:
+                        decode: DecodeConfig | None = None, card: str | None = None,
+                        training: Mapping[str, Any] | None = None) -> Path:
         """Write a model folder: model.safetensors, config.json, vocab.json, README.md (`card`,
         or a card made from the config). `vocab` and `decode` default to the model's own
-        (`from_pretrained` sets them). The config is saved with `weights: null`: the backbone's
-        weights are in the folder, rebuilding it downloads nothing. Returns the folder."""
+        (`from_pretrained` sets them); `training`: the run's loss settings, if known. The config
+        is saved with `weights: null`: the backbone's weights are in the folder, rebuilding it
+        downloads nothing. Returns the folder."""
         vocab = vocab if vocab is not None else self.vocab
         if vocab is None:
             raise ValueError("save_pretrained needs the vocabulary (vocab=...)")
@@ -282,7 +285,8 @@ class Captioner(nn.Module):
         if card is None:
             card = model_card(config, decode.to_dict(), len(vocab), folder=str(path))
         return write_model_folder(path, state=self.state_dict(), model=config,
-                                  decode=decode.to_dict(), vocab=vocab, card=card)
+                                  decode=decode.to_dict(), vocab=vocab, card=card,
+                                  training=training)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *,

@@ -5,7 +5,8 @@ A folder holds
 
 * `model.safetensors`: the captioner's state dict (the names `Captioner.state_dict()` gives),
 * `config.json`: `{"format": "captioning-pretrained", "format_version": 1,
-  "model": <CaptionerConfig dict>, "decode": <DecodeConfig dict>}`,
+  "model": <CaptionerConfig dict>, "decode": <DecodeConfig dict>, "training": <dict>}`
+  (`training`, optional: the run's loss settings, `captioning.objectives.LOSS_SETTINGS`),
 * `vocab.json`: the vocabulary in `Vocabulary.save`'s format, so that
   `--data.vocab_path DIR/vocab.json` trains or evaluates with the same words,
 * `README.md`: a model card.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -76,6 +77,7 @@ class ModelFolder:
     decode: dict[str, Any]  # the DecodeConfig dict
     vocab: Vocabulary
     state: dict[str, Tensor]
+    training: dict[str, Any] = field(default_factory=dict)  # the run's loss settings, if known
 
     def config(self, key: Literal["model", "decode"], parse: Callable[[dict[str, Any]], _T]) -> _T:
         """`parse(self.model)` or `parse(self.decode)`; a refusal names config.json."""
@@ -137,7 +139,7 @@ def read_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
             raise PretrainedError(
                 f"{path / name}: missing; an exported model folder holds "
                 f"{', '.join(REQUIRED_FILES)} (an interrupted export leaves no {CONFIG_FILE})")
-    model, decode = _read_config(path / CONFIG_FILE)
+    model, decode, training = read_config(path / CONFIG_FILE)
     try:
         vocab = Vocabulary.load(path / VOCAB_FILE)  # its errors name the file
     except UnicodeDecodeError:
@@ -146,7 +148,7 @@ def read_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
         raise PretrainedError(f"{path / VOCAB_FILE}: cannot read ({e.strerror or e})") from None
     except ValueError as e:
         raise PretrainedError(_one_line(e)) from None
-    return ModelFolder(path, model, decode, vocab, _read_weights(path / WEIGHTS_FILE))
+    return ModelFolder(path, model, decode, vocab, _read_weights(path / WEIGHTS_FILE), training)
 
 
 def _read_json(file: Path) -> Any:
@@ -161,7 +163,8 @@ def _read_json(file: Path) -> Any:
         raise PretrainedError(f"{file}: cannot read ({e.strerror or e})") from None
 
 
-def _read_config(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_config(file: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """config.json's model config, decoding settings and training settings ({} if absent)."""
     data = _read_json(file)
     found = data.get("format") if isinstance(data, dict) else None
     if found != FORMAT:
@@ -173,12 +176,12 @@ def _read_config(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if version > FORMAT_VERSION:
         raise PretrainedError(f"{file}: format_version {version} is newer than this version of "
                               f"captioning reads ({FORMAT_VERSION}); upgrade captioning")
-    model, decode = data.get("model"), data.get("decode", {})
-    for key, value in (("model", model), ("decode", decode)):
+    model, decode, training = data.get("model"), data.get("decode", {}), data.get("training", {})
+    for key, value in (("model", model), ("decode", decode), ("training", training)):
         if not isinstance(value, dict):
             raise PretrainedError(f"{file}: {key!r} must be an object, got "
                                   f"{type(value).__name__}")
-    return model, decode
+    return model, decode, training
 
 
 def _read_weights(file: Path) -> dict[str, Tensor]:
@@ -198,8 +201,9 @@ def _read_weights(file: Path) -> dict[str, Tensor]:
 # -- writing ------------------------------------------------------------------------------------
 def write_model_folder(path: str | os.PathLike[str], *, state: Mapping[str, Tensor],
                        model: Mapping[str, Any], decode: Mapping[str, Any], vocab: Vocabulary,
-                       card: str) -> Path:
+                       card: str, training: Mapping[str, Any] | None = None) -> Path:
     """Write (or overwrite) the folder's four files; other files in it are left alone.
+    `training`: the run's loss settings, kept in config.json when given.
 
     config.json goes first (removed) and last (written), so that an interrupted write never
     leaves a folder `is_pretrained_dir` takes for complete.
@@ -219,7 +223,8 @@ def write_model_folder(path: str | os.PathLike[str], *, state: Mapping[str, Tens
     write_atomic(path / VOCAB_FILE, vocab.save)
     write_atomic(path / CARD_FILE, lambda tmp: tmp.write_text(card, encoding="utf-8"))
     config = {"format": FORMAT, "format_version": FORMAT_VERSION,
-              "model": dict(model), "decode": dict(decode)}
+              "model": dict(model), "decode": dict(decode),
+              **({"training": dict(training)} if training else {})}
     write_atomic(path / CONFIG_FILE, lambda tmp: tmp.write_text(
         json.dumps(config, indent=2) + "\n", encoding="utf-8"))
     fsync_dir(path)
