@@ -73,18 +73,24 @@ def test_cli_sigterm_leaves_a_checkpoint_and_fit_resumes_it(
 
 
 def test_cli_decoding_settings_override_the_checkpoints(shapes_dm_kwargs: dict,
-                                                        cache_dir: Path, tmp_path: Path) -> None:
+                                                        cache_dir: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from captioning import metrics
+
+    asked: list[bool] = []
+    monkeypatch.setattr(metrics, "spice_available", lambda: asked.append(True) or (False, "-"))
     ckpt_dir = tmp_path / "ckpt"
     cfg = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir)
     assert main(["fit", "--config", str(cfg)]) == 0
     ckpt = ckpt_dir / "last.ckpt"
     assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["decode"]["max_len"] == 6
     out = tmp_path / "results"
-    # Lightning alone would take compute_metrics False (no decoding), max_len 6 and
-    # results_dir None from the checkpoint.
+    # Lightning alone would take compute_metrics False (no decoding), max_len 6, spice False
+    # and results_dir None from the checkpoint.
     assert main(["test", "--config", str(cfg), "--ckpt_path", str(ckpt),
                  "--model.decode.max_len", "2", "--model.compute_metrics", "true",
-                 "--model.results_dir", str(out)]) == 0
+                 "--model.spice", "true", "--model.results_dir", str(out)]) == 0
+    assert asked == [True]  # SPICE was asked for (and is unavailable here)
     captions = json.loads((out / "test_captions.json").read_text())
     assert captions and max(len(c["caption"].split()) for c in captions) <= 2
     assert max(len(c["caption"].split()) for c in captions) == 2  # an untrained model rambles
