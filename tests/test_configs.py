@@ -141,3 +141,47 @@ def test_readme_paper_command_shrunk_trains_and_tests(
     metrics = json.loads(next((tmp_path / "runs" / "paper").rglob("test_metrics.json"))
                          .read_text())
     assert "BLEU-4" in json.dumps(metrics)
+
+
+class _Parsed(Exception):
+    """Raised in place of building the classes: the parsed config is in `args[0]`."""
+
+
+@pytest.mark.parametrize("trainer", ["cpu", "gpu", "gpu_ddp"])
+def test_default_root_dir_on_the_command_line_moves_the_whole_run(
+        trainer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--trainer.default_root_dir DIR` moves the loggers' folders and the best checkpoints'
+    folder that the trainer config put in its own run folder (they stayed there: two runs
+    with different DIRs mixed their best checkpoints and logs); a folder the user put
+    elsewhere stays; without the flag nothing moves."""
+    from captioning.commands.lightning import CaptioningCLI, lightning_cli
+
+    def parsed(self: CaptioningCLI) -> None:
+        raise _Parsed(self.config[self.subcommand]["trainer"])
+
+    monkeypatch.setattr(CaptioningCLI, "before_instantiate_classes", parsed)
+    shipped = yaml.safe_load((CONFIG_DIR / "trainer" / f"{trainer}.yaml").read_text())
+    old = shipped["trainer"]["default_root_dir"]
+
+    def outputs(*extra: str) -> tuple[str, list[str]]:
+        with pytest.raises(_Parsed) as e:
+            lightning_cli(["fit", "--config", f"trainer/{trainer}", "--config", "data/shapes",
+                           "--config", "model/demo_soft", *extra])
+        t = e.value.args[0]
+        loggers = t["logger"] if isinstance(t["logger"], list) else [t["logger"]]
+        return t["default_root_dir"], [lg["init_args"]["save_dir"] for lg in loggers] + [
+            cb["init_args"]["dirpath"] for cb in t["callbacks"]
+            if cb["class_path"].endswith(".ModelCheckpoint")]
+
+    root, folders = outputs()
+    assert root == old and folders and all(f.startswith(old) for f in folders)
+    new = str(tmp_path / "run")
+    root, moved = outputs("--trainer.default_root_dir", new)
+    assert root == new
+    assert moved == [f.replace(old, new, 1) for f in folders]
+    assert str(Path(new) / "checkpoints") in moved
+    mine = str(tmp_path / "elsewhere")  # a folder outside the config's run folder stays
+    _, kept = outputs("--trainer.default_root_dir", new,
+                      "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                      f"--trainer.callbacks.dirpath={mine}")
+    assert kept == [*moved, mine]

@@ -8,6 +8,7 @@ link to it, so there is one copy). `--config` takes a path, or a shipped config 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from importlib.resources import files
@@ -113,12 +114,41 @@ def trainer_config_in(path: Path, run_dir: Path, *, without: Iterable[str] = ()
         if isinstance(items, list):
             trainer[key] = [x for x in items if not any(
                 str(x.get("class_path", "")).endswith(w) for w in without)]
-    for lg in trainer.get("logger") or []:
-        lg.setdefault("init_args", {})["save_dir"] = str(run_dir)
-    for cb in trainer.get("callbacks") or []:
-        if str(cb.get("class_path", "")).rsplit(".", 1)[-1] == "ModelCheckpoint":
-            cb.setdefault("init_args", {})["dirpath"] = str(run_dir / "checkpoints")
+    for entry, key in output_folders(trainer):
+        entry.setdefault("init_args", {})[key] = str(run_dir / OUTPUT_FOLDERS[key])
     return cfg
+
+
+#: The keys of a trainer config's output folders, and where each goes in a run folder.
+OUTPUT_FOLDERS = {"save_dir": ".", "dirpath": "checkpoints"}
+
+
+def output_folders(trainer: Any) -> list[tuple[Any, str]]:
+    """(entry, key) of each output folder a trainer config (YAML or parsed) names: its
+    loggers' `save_dir` and its ModelCheckpoints' `dirpath` (`LatestCheckpoint` finds its own
+    folder in `default_root_dir`)."""
+    loggers = trainer.get("logger")
+    found = [(lg, "save_dir") for lg in (loggers if isinstance(loggers, list) else [loggers])
+             if hasattr(lg, "get") and lg.get("class_path")]
+    return found + [(cb, "dirpath") for cb in trainer.get("callbacks") or []
+                    if str(cb.get("class_path", "")).rsplit(".", 1)[-1] == "ModelCheckpoint"]
+
+
+def move_outputs(trainer: Any, old: str | Path, new: str | Path) -> list[str]:
+    """Move the output folders of a parsed trainer config that lie in `old` (its run folder
+    as the config file set it) to the same place in `new`; returns the moved keys' new paths."""
+    moved = []
+    for entry, key in output_folders(trainer):
+        args = entry.get("init_args")
+        value = args.get(key) if args is not None else None
+        if value is None:
+            continue
+        rel = os.path.relpath(str(value), old)  # relative paths: to the current folder
+        if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+            continue  # outside the old run folder: the user's own place
+        args[key] = os.path.normpath(os.path.join(str(new), rel))
+        moved.append(args[key])
+    return moved
 
 
 def _looks_like_file(value: str) -> bool:

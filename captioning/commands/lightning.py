@@ -42,11 +42,12 @@ from captioning.checkpoint import (
     upgrade_hparams,
 )
 from captioning.commands.checkpoints import explicit_conflicts, resolve_ckpt_path
-from captioning.commands.configs import resolve_config_args
+from captioning.commands.configs import move_outputs, resolve_config_args
 from captioning.commands.errors import ConfigError, user_error_types
 from captioning.commands.hints import (
     EVALUATING,
     checkpoint_epochs,
+    config_file_with,
     max_epochs_message,
     no_gpu_message,
     no_weights_message,
@@ -152,6 +153,8 @@ class CaptioningCLI(LightningCLI):
         gives its config, decoding settings and vocabulary the same way; its weights are
         loaded after the model is built (`validate` and `test` only: it has no training state)."""
         sub = self.config.get("subcommand")
+        if sub:
+            self._move_run(sub)
         ckpt_path = self.config[sub].get("ckpt_path") if sub else None
         if ckpt_path and is_pretrained_dir(ckpt_path):
             self._apply_hparams(sub, self._use_model_folder(sub, Path(ckpt_path)), ckpt_path)
@@ -173,6 +176,19 @@ class CaptioningCLI(LightningCLI):
         hparams.pop("_instantiator", None)
         if hparams:
             self._apply_hparams(sub, hparams, ckpt_path)
+
+    def _move_run(self, sub: str) -> None:
+        """`--trainer.default_root_dir DIR` on the command line moves the whole run, as `demo`
+        and `ablate` place theirs: the loggers' `save_dir` and the checkpoint folders that lay
+        in the config file's own run folder go to the same place in DIR."""
+        raw, key = list(self._raw_args or []), "trainer.default_root_dir"
+        where = config_file_with(raw, key)
+        if where is None or not any(a == f"--{key}" or a.startswith(f"--{key}=") for a in raw):
+            return
+        old, new = yaml_lookup(where, key)[1], self.config[sub]["trainer"]["default_root_dir"]
+        if old is not None and new is not None and str(old) != str(new):
+            for path in move_outputs(self.config[sub]["trainer"], str(old), str(new)):
+                log.info("run folder %s: %s (was in %s)", new, path, old)
 
     def _apply_hparams(self, sub: str, hparams: dict[str, Any], source: str) -> None:
         """The checkpoint's model settings replace the config's; a `--model.*` flag that
