@@ -27,7 +27,7 @@ from tiny_runs import (
 from captioning.cli import main
 from captioning.data.datamodule import CaptionDataModule
 from captioning.data.images import check_image
-from captioning.data.readers import DataError
+from captioning.data.problems import DataError
 from captioning.data.sources import KarpathySplits
 
 pytestmark = pytest.mark.usefixtures("signal_handlers_restored")

@@ -17,7 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from captioning.data.datamodule import CaptionDataModule
 from captioning.data.datasets import CaptionBatch
-from captioning.data.readers import DataError
+from captioning.data.problems import DataError
 from captioning.data.samplers import BucketBatchSampler, ImageBatchSampler
 from captioning.data.sources import KarpathySplits
 from captioning.vocab import Vocabulary, tokenize

@@ -91,7 +91,7 @@ def test_an_image_in_two_splits_is_refused(tmp_path: Path, write_karpathy: objec
                                            write_png: object) -> None:
     """A Karpathy file that lists one image file in train and, under another id, in test."""
     from captioning.data.datamodule import CaptionDataModule
-    from captioning.data.readers import DataError
+    from captioning.data.problems import DataError
     from captioning.data.sources import KarpathySplits
 
     for name in ("a.jpg", "b.jpg", "c.jpg"):

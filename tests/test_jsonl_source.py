@@ -21,7 +21,7 @@ from captioning import metrics
 from captioning.cli import main
 from captioning.data import JsonlCaptions as ExportedJsonlCaptions
 from captioning.data.datamodule import CaptionDataModule
-from captioning.data.readers import DataError, Problem
+from captioning.data.problems import DataError, Problem
 from captioning.data.sources import DataSource
 from captioning.data.tables import JsonlCaptions, read_captions_table
 

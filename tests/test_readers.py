@@ -9,13 +9,8 @@ from typing import Any
 
 import pytest
 
-from captioning.data.readers import (
-    DataError,
-    Problem,
-    has_tokens,
-    read_coco_captions,
-    read_karpathy,
-)
+from captioning.data.problems import DataError, Problem
+from captioning.data.readers import has_tokens, read_coco_captions, read_karpathy
 from captioning.vocab import tokenize
 
 COCO_SPECS = [

@@ -15,7 +15,7 @@ from conftest import SHAPES_PARAMS, boxes_table, shapes_cli_args, shapes_source
 
 from captioning.data import sources
 from captioning.data.datamodule import CaptionDataModule
-from captioning.data.readers import DataError
+from captioning.data.problems import DataError
 from captioning.data.shapes import (
     COLORS,
     SHAPES,
@@ -418,3 +418,21 @@ def test_cli_flags_give_the_fixture_data(shapes_root: Path,
     assert parser.instantiate(cfg).data.source == KarpathySplits(split_file="x.json",
                                                                  merge_restval=False)
     assert parser.instantiate(parser.parse_args([])).data.source == ShapesSource()
+
+
+def test_a_missing_annotation_file_names_the_setting_to_change(tmp_path: Path) -> None:
+    """A source's file that does not exist says which `data.source` setting names it: the
+    file itself (`split_file`) or the folder that holds it (`root` of a caption table, where a
+    config's placeholder was left as it is)."""
+    from captioning.data.tables import JsonlCaptions
+
+    missing = tmp_path / "nowhere" / "dataset_coco.json"
+    cases = [(KarpathySplits(split_file=str(missing)), "split_file", missing),
+             (JsonlCaptions(root="data/my_images"), "root", Path("data/my_images/captions.jsonl"))]
+    for source, key, file in cases:
+        with pytest.raises(DataError) as e:
+            _ = CaptionDataModule(source=source, feature_cache=False).vocab
+        [problem] = e.value.problems
+        assert (problem.file, problem.field) == (str(file), "(file)")
+        assert problem.message.startswith("file does not exist (data.source.")
+        assert f"pass --data.source.{key} with the right path" in problem.message

@@ -29,7 +29,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from captioning.checkpoint import CheckpointError
     from captioning.data.features import CacheError
     from captioning.data.images import ImageLoadError
-    from captioning.data.readers import DataError
+    from captioning.data.problems import DataError
 
     return (ConfigError, DataError, ImageLoadError, FloatingPointError, FileNotFoundError,
             FileExistsError, PermissionError, NotADirectoryError, IsADirectoryError,

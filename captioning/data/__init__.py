@@ -13,7 +13,7 @@ from typing import Any
 _EXPORTS: dict[str, str] = {
     "ImageLoadError": "images", "check_image": "images", "load_image": "images",
     "image_size_ok": "images",
-    "DataError": "readers", "ImageRecord": "readers", "Problem": "readers",
+    "DataError": "problems", "ImageRecord": "readers", "Problem": "problems",
     "Records": "readers", "read_coco_captions": "readers", "read_karpathy": "readers",
     "COLORS": "shapes", "SHAPES": "shapes", "SIZES": "shapes", "generate_shapes": "shapes",
     "parse_objects": "shapes", "scene_objects": "shapes",

@@ -35,14 +35,8 @@ from captioning.data.datasets import (
 )
 from captioning.data.features import CacheVerify
 from captioning.data.images import image_problems
-from captioning.data.readers import (
-    DATA_SPLITS,
-    DataError,
-    ImageRecord,
-    OnError,
-    Problem,
-    split_overlaps,
-)
+from captioning.data.problems import DataError, Problem, naming_settings
+from captioning.data.readers import DATA_SPLITS, ImageRecord, OnError, split_overlaps
 from captioning.data.samplers import (
     BucketBatchSampler,
     EpochShuffleSampler,
@@ -194,7 +188,11 @@ class CaptionDataModule(L.LightningDataModule):
             return self._records
         t0 = time.perf_counter()
         fail = self.on_bad_data == "fail"
-        read = self.source.read("skip" if fail else self.on_bad_data)  # "fail": all, below
+        try:
+            read = self.source.read("skip" if fail else self.on_bad_data)  # "fail": all, below
+        except DataError as e:  # a missing file: which setting names it
+            settings = self.source.config()["init_args"]
+            raise DataError(naming_settings(e.problems, settings)) from None
         by_split = read.splits
         leaks = split_overlaps(by_split, self.source.describe)
         if fail and read.problems:  # in one list: the annotations', then the other images'

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from captioning.choices import check_choice
+from captioning.data.problems import (
+    DataError,
+    Problem,
+    entry_order,
+    read_problem,
+)
 from captioning.vocab import word_pattern
 
 
@@ -37,8 +42,6 @@ SPLITS: tuple[str, ...] = ("train", "restval", "val", "test")
 #: The splits a data module serves (a Karpathy file's restval merged into train, or left out).
 DATA_SPLITS: tuple[str, ...] = ("train", "val", "test")
 _SPLIT_NAMES = frozenset(SPLITS)
-#: How many problems a DataError message lists.
-MAX_LISTED = 10
 
 
 @dataclass(frozen=True)
@@ -49,35 +52,6 @@ class ImageRecord:
     path: Path
     split: str  # "train" | "val" | "test" ("restval" when not merged into train)
     captions: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One defect in an input file: which file, which entry, which field, and what is wrong."""
-
-    file: str
-    entry: str  # e.g. "images[12] (id 391895)"
-    field: str  # e.g. "sentences[2].raw"
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.entry}: field '{self.field}': {self.message}"
-
-
-class DataError(ValueError):
-    """Bad input data. `problems` holds every problem found; the message lists the first ten."""
-
-    def __init__(self, problems: Iterable[Problem]) -> None:
-        self.problems: tuple[Problem, ...] = tuple(problems)
-        n = len(self.problems)
-        if n == 1:
-            msg = str(self.problems[0])
-        else:
-            lines = [f"  {p}" for p in self.problems[:MAX_LISTED]]
-            if n > MAX_LISTED:
-                lines.append(f"  ... and {n - MAX_LISTED} more")
-            msg = f"{n} problems in the data:\n" + "\n".join(lines)
-        super().__init__(msg)
 
 
 class Records(list[ImageRecord]):
@@ -137,23 +111,9 @@ class Report:
                        skipped_captions=self.skipped_captions)
 
 
-def entry_order(entry: str) -> list[Any]:
-    """A sort key that puts "line 9" before "line 10" and "images[2]" before "images[10]"."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", entry)]
-
-
 def type_name(value: Any) -> str:
     """The JSON-ish name of a value's type, for messages ("null", "int", "list", ...)."""
     return "null" if value is None else type(value).__name__
-
-
-def read_problem(file: Path, error: OSError) -> Problem:
-    """Why a file cannot be read: missing, a folder, or what the OS said (permissions, a
-    symlink loop, an I/O error)."""
-    why = ("file does not exist" if isinstance(error, FileNotFoundError) else
-           "is a directory" if isinstance(error, IsADirectoryError) else
-           f"cannot read file ({error.strerror or error})")
-    return Problem(str(file), "(file)", "(file)", why)
 
 
 def load_json(file: Path, object_hook: Callable[[dict], Any] | None = None) -> Any:

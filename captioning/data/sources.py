@@ -34,11 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from captioning.data.problems import DataError, Problem
 from captioning.data.readers import (
-    DataError,
     ImageRecord,
     OnError,
-    Problem,
     Records,
     id_problem,
     load_json,

@@ -36,17 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import IO, Any
 
+from captioning.data.problems import DataError, Problem, read_problem
 from captioning.data.readers import (
     DATA_SPLITS,
-    DataError,
     ImageRecord,
     OnError,
-    Problem,
     Records,
     Report,
     caption_problem,
     check_policy,
-    read_problem,
     type_name,
 )
 from captioning.data.sources import CACHE_FOLDER, DataSource, SourceRecords, carve

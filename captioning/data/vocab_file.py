@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from captioning.atomic import write_json_atomic
-from captioning.data.readers import DataError, Problem
+from captioning.data.problems import DataError, Problem
 from captioning.vocab import Vocabulary, origin_differences
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,76 @@
+"""A defect in input data, and how it is reported: `Problem(file, entry, field, message)`, and
+`DataError`, which lists the first `MAX_LISTED` of them in one message."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+#: How many problems a DataError message lists.
+MAX_LISTED = 10
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One defect in an input file: which file, which entry, which field, and what is wrong."""
+
+    file: str
+    entry: str  # e.g. "images[12] (id 391895)"
+    field: str  # e.g. "sentences[2].raw"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.entry}: field '{self.field}': {self.message}"
+
+
+class DataError(ValueError):
+    """Bad input data. `problems` holds every problem found; the message lists the first ten."""
+
+    def __init__(self, problems: Iterable[Problem]) -> None:
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        n = len(self.problems)
+        if n == 1:
+            msg = str(self.problems[0])
+        else:
+            lines = [f"  {p}" for p in self.problems[:MAX_LISTED]]
+            if n > MAX_LISTED:
+                lines.append(f"  ... and {n - MAX_LISTED} more")
+            msg = f"{n} problems in the data:\n" + "\n".join(lines)
+        super().__init__(msg)
+
+
+def entry_order(entry: str) -> list[Any]:
+    """A sort key that puts "line 9" before "line 10" and "images[2]" before "images[10]"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", entry)]
+
+
+MISSING = "file does not exist"
+
+
+def naming_settings(problems: Iterable[Problem], settings: Mapping[str, Any]) -> list[Problem]:
+    """`problems` where a missing file comes from one of a source's `settings` (its init_args:
+    the file itself, or a folder that holds it) say which setting to change."""
+    out = []
+    for p in problems:
+        key = None
+        if p.entry == "(file)" and p.message == MISSING:
+            paths = {k: Path(v) for k, v in settings.items() if isinstance(v, str) and v}
+            file = Path(p.file)
+            key = next((k for k, v in paths.items() if v == file), None) or next(
+                (k for k, v in paths.items() if v in file.parents), None)
+        out.append(p if key is None else replace(
+            p, message=f"{p.message} (data.source.{key} is {settings[key]!r}: pass "
+                       f"--data.source.{key} with the right path)"))
+    return out
+
+
+def read_problem(file: Path, error: OSError) -> Problem:
+    """Why a file cannot be read: missing, a folder, or what the OS said (permissions, a
+    symlink loop, an I/O error)."""
+    why = (MISSING if isinstance(error, FileNotFoundError) else
+           "is a directory" if isinstance(error, IsADirectoryError) else
+           f"cannot read file ({error.strerror or error})")
+    return Problem(str(file), "(file)", "(file)", why)
