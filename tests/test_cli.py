@@ -217,12 +217,17 @@ def test_cli_user_errors_are_one_line(args: list[str], status: int, words: str,
 def test_config_file_mistakes_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A broken YAML file and an unknown key in a config file: the line names the file (and,
-    for the key, the closest valid one); an unknown flag gets the closest valid flag."""
+    for the key, the closest valid one); an unknown flag gets the closest valid flag; an
+    unknown setting of a class_path is one line with the class's settings."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "broken.yaml").write_text("trainer:\n  max_epochs: 2\n  devices: [1,\n")
     (tmp_path / "ok.yaml").write_text("trainer:\n  max_epochs: 2\n")
     (tmp_path / "typo.yaml").write_text("model:\n  net:\n    hiden_dim: 64\n")
     (tmp_path / "model.yaml").write_text("decode:\n  beam_sise: 3\n")
+    (tmp_path / "source.yaml").write_text("data:\n  source:\n    class_path: "
+                                          "captioning.data.sources.ShapesSource\n"
+                                          "    init_args:\n      rot: data/shapes\n")
+    settings = "root, num_train, num_val, num_test, image_size, seed, boxes_path"
     cases = [
         (["--config", "ok.yaml", "--config", "broken.yaml"],
          "error: broken.yaml: invalid YAML at line 4, column 1: expected the node content, but "
@@ -236,6 +241,13 @@ def test_config_file_mistakes_name_the_file(tmp_path: Path, capsys: pytest.Captu
         (["--model.net.hiden_dim", "64"],
          "error: unrecognized arguments: --model.net.hiden_dim 64; did you mean "
          "--model.net.hidden_dim?"),
+        # An unknown setting of a class_path (jsonargparse says it in ten lines).
+        (["--config", "source.yaml"],
+         f"error: source.yaml: data.source: ShapesSource does not accept 'rot' (its settings: "
+         f"{settings}); did you mean data.source.init_args.root?"),
+        (["--data.source", "ShapesSource", "--data.source.init_args.rot", "x"],
+         f"error: data.source: ShapesSource does not accept 'rot' (its settings: {settings}); "
+         "did you mean data.source.init_args.root?"),
     ]
     for args, want in cases:
         assert main(["fit", *args, "--trainer.logger", "false"]) == 2

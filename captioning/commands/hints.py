@@ -6,6 +6,8 @@ weights to evaluate, the way round a missing GPU, and the `max_epochs` a resumed
 from __future__ import annotations
 
 import difflib
+import importlib
+import inspect
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +23,9 @@ NO_GPU_HINT = ("no GPU is usable on this machine: use --config trainer/cpu or "
 #: Lightning's refusal to resume a checkpoint past `max_epochs` (checkpoint_connector.py).
 RESTORED_PAST_MAX = re.compile(r"You restored a checkpoint with current_epoch=(\d+), but you "
                                r"have set Trainer\(max_epochs=(-?\d+)\)")
+#: jsonargparse's refusal of an unknown setting of a `class_path` (a data source, a logger).
+_NOT_ACCEPTED = re.compile(r"Parser key \"([\w.]+)\":.*?class_path '([\w.]+)':\s*"
+                           r"Option '([\w.]+)' is not accepted", re.S)
 _UNKNOWN = (re.compile(r"^Subcommand '[\w-]+' does not accept option '([\w.-]+)'"),
             re.compile(r"^unrecognized arguments: --([\w.-]+)"))
 
@@ -121,3 +126,27 @@ def unknown_option_message(message: str, args: Sequence[str], keys: Iterable[str
         text = f"{where}: {text}"
     close = difflib.get_close_matches(key, list(keys), n=1)
     return f"{text}; did you mean {dashes}{close[0]}?" if close else text
+
+
+def not_accepted_message(message: str, args: Sequence[str]) -> str | None:
+    """jsonargparse's many-line refusal of an unknown `init_args` key of a `class_path`, as one
+    line: the config file that holds it (when one does), the class's settings and the
+    closest one; None for other messages."""
+    found = _NOT_ACCEPTED.search(message)
+    if found is None:
+        return None
+    key, class_path, option = found.groups()
+    module, _, name = class_path.rpartition(".")
+    try:
+        params = [p for p in inspect.signature(getattr(importlib.import_module(module), name))
+                  .parameters if p not in ("args", "kwargs")]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        params = []
+    text = f"{key}: {name} does not accept {option!r}"
+    if params:
+        text += f" (its settings: {', '.join(params)})"
+    close = difflib.get_close_matches(option, params, n=1)
+    if close:
+        text += f"; did you mean {key}.init_args.{close[0]}?"
+    where = config_file_with(args, f"{key}.{option}")
+    return f"{where}: {text}" if where else text

@@ -51,6 +51,7 @@ from captioning.commands.hints import (
     max_epochs_message,
     no_gpu_message,
     no_weights_message,
+    not_accepted_message,
     restored_past_max,
     unknown_option_message,
     yaml_lookup,
@@ -134,7 +135,8 @@ class CaptioningCLI(LightningCLI):
         try:
             self.config = parser.parse_args(args)
         except argparse.ArgumentError as e:
-            better = unknown_option_message(str(e), list(args or []), self._known_keys(args))
+            better = unknown_option_message(str(e), list(args or []), self._known_keys(args)) \
+                or not_accepted_message(str(e), list(args or []))
             if better is None:
                 raise
             raise argparse.ArgumentError(None, better) from None
