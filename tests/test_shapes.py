@@ -14,6 +14,7 @@ from captioning.data.readers import read_coco_captions, read_karpathy
 from captioning.data.shapes import (
     COLOR_RGB,
     COLORS,
+    DEFAULT_PARAMS,
     SHAPES,
     SIZES,
     bound_colour,
@@ -230,3 +231,15 @@ def test_every_default_names_one_dataset(monkeypatch: pytest.MonkeyPatch) -> Non
     assert written == {"root": str(source.root), **source.params}
     init_args = yaml.safe_load((CONFIG_DIR / "data" / "shapes.yaml").read_text())["data"]["source"]["init_args"]
     assert ShapesSource(**init_args) == source
+
+
+def test_the_shapes_command_shows_its_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """`captioning shapes --help` gives each setting's default: the sizes `fit --config
+    data/shapes` reads (`DEFAULT_PARAMS`)."""
+    from captioning.commands.shapes import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, value in DEFAULT_PARAMS.items():
+        assert f"--{name.replace('_', '-')}" in text and f"(default: {value})" in text
