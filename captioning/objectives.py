@@ -394,6 +394,10 @@ def build_objective(*, attention: str, advantage: str = "sequence",
     cross-entropy objective in `SelfCritical` with the `scst` settings."""
     check_settings(settings)
     check_choice("objective", objective, ObjectiveKind)
+    # Checked whatever the attention: a typo is an error even where the value is unused.
+    if advantage not in ESTIMATORS:
+        raise ValueError(f"advantage must be one of {sorted(ESTIMATORS)}, got {advantage!r}")
+    check_choice("reward", settings.get("reward", "sum"), RewardForm)
     if attention == "soft":
         cls: type[Objective] = MaximumLikelihood
     elif hard_estimator in HARD_ESTIMATORS:
@@ -401,10 +405,8 @@ def build_objective(*, attention: str, advantage: str = "sequence",
     elif hard_estimator != "reinforce":
         raise ValueError(f"hard_estimator must be one of "
                          f"{sorted(['reinforce', *HARD_ESTIMATORS])}, got {hard_estimator!r}")
-    elif advantage in ESTIMATORS:
-        cls = ESTIMATORS[advantage]
     else:
-        raise ValueError(f"advantage must be one of {sorted(ESTIMATORS)}, got {advantage!r}")
+        cls = ESTIMATORS[advantage]
     accepted = inspect.signature(cls.__init__).parameters
     ce = cls(**{k: v for k, v in settings.items() if k in accepted})
     if objective == "cross_entropy":

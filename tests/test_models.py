@@ -332,3 +332,39 @@ def test_encoder_weight_errors(tmp_path) -> None:
     torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7)}, tmp_path / "partial.pth")
     with pytest.raises(ValueError, match="miss"):
         CNNEncoder(backbone="resnet18", weights=str(tmp_path / "partial.pth"))
+
+
+def test_the_python_api_names_bad_input_and_settings(caplog: pytest.LogCaptureFixture) -> None:
+    """A single image without its batch dimension, integer pixels, a fractional beam size, a
+    string width or an unknown score are refused where they are given, naming the problem
+    (they failed later: a matrix product, a dtype mismatch, a `<` between str and int); a
+    grid finer than the CNN's map warns; `generate` and `captions` decode alike by default."""
+    from captioning.models import DecodeConfig
+    from captioning.vocab import Vocabulary
+
+    with pytest.raises(ValueError, match="decode.beam_size must be a whole number"):
+        DecodeConfig(beam_size=2.5)
+    with pytest.raises(ValueError, match="net.hidden_dim must be a whole number"):
+        CaptionerConfig.from_dict({"vocab_size": 10, "hidden_dim": "16"})
+    with pytest.raises(ValueError, match="net.score"):
+        CaptionerConfig(vocab_size=10, score="cosine")
+    net = CaptionerConfig(vocab_size=10, backbone="resnet18", weights=None, grid_size=4,
+                          image_size=64, embed_dim=8, hidden_dim=8, attn_dim=8)
+    with caplog.at_level("WARNING", logger="captioning.models.captioner"):
+        model = Captioner(net).eval()
+    assert "net.grid_size 4 is finer than resnet18's 2x2 map at 64 px" in caplog.text
+    assert "net.image_size 128 px or more, or net.grid_size 2 or less" in caplog.text
+    images = torch.rand(2, 3, 64, 64)
+    with pytest.raises(ValueError, match=r"one image needs a batch dimension \(images\[None\]\)"):
+        model.generate(images[0])
+    with pytest.raises(TypeError, match="float tensor"):
+        model.generate((images * 255).to(torch.uint8))
+    assert model.generate(model.encode(images)).tokens.shape[0] == 2  # cached grids pass
+    model.vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", *"abcdef"])
+    model.decode = DecodeConfig(strategy="greedy", max_len=3)
+    assert model.generate(images).tokens.shape[1] <= 3 + 1
+    assert len(model.captions(images)) == 2
+    sampled = DecodeConfig(strategy="sample", max_len=5)
+    draws = [model.captions(images, sampled, generator=torch.Generator().manual_seed(1))
+             for _ in range(2)]
+    assert draws[0] == draws[1]

@@ -47,6 +47,12 @@ def test_build_picks_the_class_by_attention_and_advantage() -> None:
         assert type(objective) is cls and objective.reward_scale == 0.5
     with pytest.raises(ValueError, match="advantage must be one of"):
         build_objective(attention="hard", advantage="nope")
+    # A typo is an error even where the value is not used (soft attention, Gumbel).
+    for kw in ({"attention": "soft"}, {"attention": "hard", "hard_estimator": "gumbel"}):
+        with pytest.raises(ValueError, match="advantage must be one of"):
+            build_objective(**kw, advantage="bogus", vocab_size=V)
+        with pytest.raises(ValueError, match="reward"):
+            build_objective(**kw, reward="bogus", vocab_size=V)
 
 
 @pytest.fixture

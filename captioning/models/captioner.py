@@ -9,6 +9,7 @@ weights, JSON config and vocabulary, a model card; see `captioning.models.pretra
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
@@ -49,6 +50,8 @@ from captioning.models.state import grid_dtype
 from captioning.vocab import Vocabulary
 
 Strategy = Literal["greedy", "beam", "sample"]
+log = logging.getLogger(__name__)
+
 _Config = TypeVar("_Config", bound="_PlainConfig")
 
 
@@ -71,6 +74,15 @@ class _PlainConfig:
         return cls(**data)
 
 
+def check_whole(group: str, config: Any, names: tuple[str, ...]) -> None:
+    """Refuse a field of `config` among `names` that is not a whole number >= 1 (a float or a
+    string from a hand-written dict would fail later, far from its cause)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{group}.{name} must be a whole number >= 1, got {value!r}")
+
+
 @dataclass(frozen=True)
 class DecodeConfig(_PlainConfig):
     """How captions are decoded: the one set of decoding settings (validation, test, the
@@ -86,9 +98,7 @@ class DecodeConfig(_PlainConfig):
 
     def __post_init__(self) -> None:
         check_choice("decode.strategy", self.strategy, Strategy)
-        for name in ("beam_size", "max_len", "num_captions"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"decode.{name} must be >= 1, got {getattr(self, name)}")
+        check_whole("decode", self, ("beam_size", "max_len", "num_captions"))
         if self.length_penalty < 0:
             raise ValueError(f"decode.length_penalty must be >= 0, got {self.length_penalty}")
         if not self.temperature > 0:
@@ -141,9 +151,9 @@ class CaptionerConfig(_PlainConfig):
 
     def __post_init__(self) -> None:
         """Refuse impossible values at construction, before any weights load (one line)."""
-        for name in ("embed_dim", "hidden_dim", "attn_dim", "image_size", "n_layers_att"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"net.{name} must be >= 1, got {getattr(self, name)}")
+        check_whole("net", self, ("embed_dim", "hidden_dim", "attn_dim", "image_size",
+                                  "n_layers_att", "n_layers_init"))
+        check_choice("net.score", self.score, ScoreKind)
         if self.vocab_size < 0 or (self.grid_size is not None and self.grid_size < 1):
             raise ValueError(f"net.vocab_size must be >= 0 and net.grid_size >= 1 (or null), "
                              f"got {self.vocab_size} and {self.grid_size}")
@@ -166,6 +176,20 @@ class CaptionerConfig(_PlainConfig):
         """The Gumbel-softmax temperature schedule of these settings."""
         return GumbelSchedule(start=self.gumbel_tau_start, end=self.gumbel_tau_end,
                               anneal=self.gumbel_anneal, steps=self.gumbel_anneal_steps)
+
+
+def check_input(x: Tensor, dim: int) -> None:
+    """Refuse what is neither float images (B, 3, H, W) nor annotation grids (B, L, `dim`),
+    naming the shape and the likely cause (no sync: shapes and dtypes only)."""
+    if not x.is_floating_point():
+        raise TypeError(f"images must be a float tensor, normalised as "
+                        f"captioning.data.transforms.build_image_transform makes them; got "
+                        f"{x.dtype}")
+    if (x.dim() == 3 and x.size(-1) == dim) or (x.dim() == 4 and x.size(1) == 3):
+        return
+    hint = "; one image needs a batch dimension (images[None])" if x.dim() == 3 else ""
+    raise ValueError(f"expected images (B, 3, H, W) or annotation grids (B, L, {dim}), got "
+                     f"shape {tuple(x.shape)}{hint}")
 
 
 class Captioner(nn.Module):
@@ -201,6 +225,14 @@ class Captioner(nn.Module):
             n_layers_att=config.n_layers_att,
             n_layers_init=config.n_layers_init,
         )
+        native = self.encoder.spec.side(config.image_size)
+        if config.grid_size and config.grid_size > native:
+            log.warning("net.grid_size %d is finer than %s's %dx%d map at %d px: its %d locations "
+                        "repeat at most %d distinct annotation vectors; for a native grid give "
+                        "net.image_size %d px or more, or net.grid_size %d or less",
+                        config.grid_size, config.backbone, native, native, config.image_size,
+                        config.grid_size ** 2, native ** 2,
+                        config.grid_size * self.encoder.spec.stride, native)
         #: The words of the token ids and the decoding settings to use: set by
         #: `from_pretrained` (a model built from a config has no vocabulary).
         self.vocab: Vocabulary | None = None
@@ -218,6 +250,7 @@ class Captioner(nn.Module):
         (`grid_dtype`). `keep_half`: they stay float16, for the teacher-forced pass
         (`AttentionLSTMDecoder.forward`), which reads them as the float32 values they hold.
         """
+        check_input(images, self.encoder.dim)
         if images.dim() == 3:
             return images if keep_half else images.to(grid_dtype(images.dtype))
         if self.encoder.trainable:
@@ -234,12 +267,14 @@ class Captioner(nn.Module):
         """Teacher-forced pass: captions (B, T+1) start with <start>; lengths include specials."""
         return self.decoder(self.encode(images, keep_half=True), captions, lengths)
 
-    def generate(self, images: Tensor, decode: DecodeConfig = DecodeConfig(), *,
+    def generate(self, images: Tensor, decode: DecodeConfig | None = None, *,
                  grad: bool = False, generator: torch.Generator | None = None) -> Generation:
-        """Decode captions; call in eval mode. Hard models use their configured context rule.
+        """Decode captions with `decode` (default `self.decode`, as `captions`); call in eval
+        mode. Hard models use their configured context rule.
 
         `num_captions` n > 1 gives N·n rows, image-major (`Generation.per_image`). Sampling
         draws with `generator`; `grad` keeps the graph of its log-probabilities (SCST)."""
+        decode = decode if decode is not None else self.decode
         if grad and decode.strategy != "sample":
             raise ValueError(f"grad=True needs strategy 'sample', got {decode.strategy!r}")
         features = self.encode(images)
@@ -254,14 +289,16 @@ class Captioner(nn.Module):
                            max_len=decode.max_len, length_penalty=decode.length_penalty,
                            forbid_unk=decode.forbid_unk, num_captions=decode.num_captions)
 
-    def captions(self, images: Tensor, decode: DecodeConfig | None = None) -> list[str]:
-        """Captions as text (special tokens removed), decoded with `decode` or `self.decode`;
-        needs `self.vocab` (set by `from_pretrained`). Call in eval mode."""
+    def captions(self, images: Tensor, decode: DecodeConfig | None = None, *,
+                 generator: torch.Generator | None = None) -> list[str]:
+        """Captions as text (special tokens removed), decoded with `decode` or `self.decode`
+        (sampling draws with `generator`); needs `self.vocab` (set by `from_pretrained`).
+        Call in eval mode."""
         if self.vocab is None:
             raise ValueError("this captioner has no vocabulary: load it with "
                              "Captioner.from_pretrained(folder), or set .vocab")
         with torch.no_grad():
-            gen = self.generate(images, decode if decode is not None else self.decode)
+            gen = self.generate(images, decode, generator=generator)
         return [" ".join(self.vocab.decode(row[:n]))
                 for row, n in zip(gen.tokens.tolist(), gen.lengths.tolist())]
 
