@@ -202,7 +202,8 @@ def test_overlay_marks_hard_attention_locations(trained: Trained, tmp_path: Path
                                      decode=DecodeConfig(beam_size=2, max_len=4))
     img = tmp_path / "blue.png"
     Image.new("RGB", (80, 64), (40, 60, 200)).save(img)
-    rc, out, _ = run(capsys, "--checkpoint", ckpt, "--json", "--overlay", tmp_path / "ov", img)
+    # --overlays: predict's name for --overlay, which caption takes too
+    rc, out, _ = run(capsys, "--checkpoint", ckpt, "--json", "--overlays", tmp_path / "ov", img)
     assert rc == 0
     rec = json.loads(out[0])
     strip = np.asarray(Image.open(rec["overlay"]))
@@ -222,6 +223,14 @@ def test_expand_inputs_dedupes_and_overlay_names_are_unique(tmp_path: Path) -> N
     assert overlay_names(inputs.paths) == ["X.png", "x-2.png", "x-3.png"]
     assert overlay_names([Path("a/x-2.png"), Path("x.png"), Path("b/x.png")]) == [
         "x-2.png", "x.png", "x-3.png"]
+    # A folder whose images are all in sub-folders says how to reach them, and that works.
+    (tmp_path / "nested" / "dogs").mkdir(parents=True)
+    (tmp_path / "nested" / "dogs" / "1.png").write_bytes(b"\x89PNG")
+    nested = expand_inputs([str(tmp_path / "nested")])
+    assert nested.paths == [] and nested.problems[0].endswith(
+        f"; its sub-folders hold 1: pass '{tmp_path / 'nested' / '**'}' (quoted) for those")
+    assert expand_inputs([str(tmp_path / "nested" / "**")]).paths == [
+        tmp_path / "nested" / "dogs" / "1.png"]
 
 
 # -- subprocesses ---------------------------------------------------------------------------------

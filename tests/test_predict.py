@@ -142,7 +142,7 @@ def test_overlays_are_readable_pngs(trained: Trained, tmp_path: Path, capsys) ->
     shutil.copy(trained.images[1], b / "x.png")
     out, ov = tmp_path / "c.json", tmp_path / "ov"
     rc, _ = predict(capsys, "--checkpoint", trained.checkpoint, a / "x.png", b / "x.png",
-                    "--out", out, "--overlays", ov, *FAST)
+                    "--out", out, "--overlay", ov, *FAST)  # caption's name for --overlays
     assert rc == 0
     records = read_results(out)
     assert sorted(p.name for p in ov.iterdir()) == ["x-2.png", "x.png"]  # caption's names

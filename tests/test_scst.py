@@ -374,6 +374,7 @@ def test_init_from_refuses_another_network(cross_entropy: Path, shapes_dm_kwargs
     assert main(["fit", "--config", str(cfg), "--model.net.hidden_dim", "64"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "--model.net.hidden_dim 64 (the checkpoint has 32)" in err[0], err
+    assert err[0].endswith("start a new run without model.init_from"), err  # not --ckpt_path
 
 
 # ------------------------------------------------------------------------------------------

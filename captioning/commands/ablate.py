@@ -204,7 +204,7 @@ def alpha_entropy(alphas: Iterable[Any]) -> float:
         if a.numel():
             total += float(-(a * a.clamp_min(1e-12).log()).sum(-1).sum())
             steps += a.shape[0]
-    return total / steps if steps else math.nan
+    return total / steps if steps else math.nan  # NaN: no step (every caption empty)
 
 
 def run_cell(run_dir: Path) -> int:
@@ -223,7 +223,8 @@ def run_cell(run_dir: Path) -> int:
     results = model.test_results
     write_json_atomic(run_dir / RESULT_FILE, {
         "test": results.metrics, "val": val, "train_seconds": train_seconds,
-        "alpha_entropy": alpha_entropy(results.alphas.values()),
+        "alpha_entropy": None if math.isnan(entropy := alpha_entropy(results.alphas.values()))
+        else entropy,  # JSON has no NaN: null, which the report reads as absent
         "checkpoint": best or "the final weights (no validation ran)",
         "config": spec["config"]}, indent=2)
     return 0

@@ -57,15 +57,20 @@ def _images_in(folder: Path) -> list[Path]:
 
 def expand_arg(arg: str) -> tuple[list[Path], str | None]:
     """One input's image paths in order, or the problem it gives: a file as given (kept
-    whatever its extension: the loader reports non-images), a directory's images (sorted), a
-    glob pattern's matching images and directories' images."""
+    whatever its extension: the loader reports non-images), a directory's images (sorted; not
+    its sub-folders', which `DIR/**` gives), a glob pattern's matching images and
+    directories' images."""
     p = Path(arg)
     if "\0" in arg:  # the OS cannot name such a file: one line, not a ValueError
         return [], f"{arg!r}: not a usable path (it contains a NUL byte)"
     if p.is_dir():
         found = _images_in(p)
-        return found, None if found else (
-            f"{arg}: directory has no images ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+        if found:
+            return found, None
+        deeper = sum(1 for q in p.rglob("*") if q.is_file() and _is_image_name(q))
+        hint = f"; its sub-folders hold {deeper}: pass '{p / '**'}' (quoted) for those" \
+            if deeper else ""
+        return [], f"{arg}: directory has no images ({', '.join(sorted(IMAGE_EXTENSIONS))}){hint}"
     if p.exists() or not _GLOB_CHARS & set(arg):
         return [p], None  # missing or non-image files are reported by the loader
     found = []
@@ -138,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto uses the GPU when there is one")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per line: path, caption, score, tokens")
-    p.add_argument("--overlay", metavar="DIR", default=None,
+    p.add_argument("--overlay", "--overlays", dest="overlay", metavar="DIR", default=None,
                    help="write one attention strip PNG per image into DIR")
     return p
 

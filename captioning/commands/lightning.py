@@ -192,16 +192,18 @@ class CaptioningCLI(LightningCLI):
             for path in move_outputs(self.config[sub]["trainer"], str(old), str(new)):
                 log.info("run folder %s: %s (was in %s)", new, path, old)
 
-    def _apply_hparams(self, sub: str, hparams: dict[str, Any], source: str) -> None:
+    def _apply_hparams(self, sub: str, hparams: dict[str, Any], source: str,
+                       flag: str = "--ckpt_path") -> None:
         """The checkpoint's model settings replace the config's; a `--model.*` flag that
-        disagrees with them is an error, except the `USER_WINS` settings, which win."""
+        disagrees with them is an error, except the `USER_WINS` settings, which win. `flag`:
+        the setting that named the checkpoint, for the message."""
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
         conflicts = explicit_conflicts(raw, self.config[sub], hparams,
                                        (*USER_WINS, *INIT_ONLY))
         if conflicts:
             raise ConfigError(f"{'; '.join(conflicts)}: with a checkpoint the model settings "
                               f"are those of {source}, except decoding and output; drop the "
-                              "flag, or start a new run without --ckpt_path")
+                              f"flag, or start a new run without {flag}")
         user = {k: self.config[sub].get(k) for k in USER_WINS if given(raw, k)}
         self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
         for k, v in user.items():
@@ -283,7 +285,7 @@ class CaptioningCLI(LightningCLI):
         carried = {k: v for k, v in hp.items() if k not in (*INIT_FROM_KEEPS, "net", "decode")
                    and k in cfg["model"] and not given(raw, f"model.{k}")}
         self._apply_hparams(sub, {**carried, "net": {**loaded.config.to_dict(), "weights": None},
-                                  "decode": loaded.decode.to_dict()}, path)
+                                  "decode": loaded.decode.to_dict()}, path, "model.init_from")
         if not given(raw, "data.vocab_path"):
             root = Path(str(self.config[sub].get("trainer.default_root_dir") or "."))
             root.mkdir(parents=True, exist_ok=True)

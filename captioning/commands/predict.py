@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--alphas", action="store_true",
                    help="also write each image's attention maps, NAME.npz in OUT-STEM_alphas/ "
                         "beside --out")
-    p.add_argument("--overlays", metavar="DIR", default=None,
+    p.add_argument("--overlays", "--overlay", dest="overlays", metavar="DIR", default=None,
                    help="write one attention strip PNG per image into DIR")
     p.add_argument("--beam-size", type=int, default=None,
                    help="beam width (default: the checkpoint's decoding setting)")
