@@ -133,7 +133,8 @@ def read_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
     if not path.exists():
         raise PretrainedError(f"{path}: model folder does not exist")
     if not path.is_dir():
-        raise PretrainedError(f"{path}: is not a folder (an exported model is a folder)")
+        raise PretrainedError(f"{path}: is not a folder (an exported model is a folder; a "
+                              "checkpoint file loads with captioning.checkpoint.load_checkpoint)")
     for name in REQUIRED_FILES:
         if not (path / name).is_file():
             raise PretrainedError(
