@@ -354,6 +354,12 @@ def test_cache_features_verify_and_prune(shapes_dm_kwargs: dict, tmp_path: Path,
     for p in junk:
         p.write_bytes(b"x" * 10)
     caplog.set_level(logging.INFO, logger="captioning.commands.cache_features")
+    before = sorted(p.name for p in folder.iterdir())
+    assert main(["cache-features", "--config", cfg, "--prune", "--dry-run"]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing deleted
+    would = [r.getMessage() for r in caplog.records if r.getMessage().startswith("would delete")]
+    assert len(would) == 6 and f"dry run, nothing deleted in {folder}: " in caplog.text
+    caplog.clear()
     assert main(["cache-features", "--config", cfg, "--prune"]) == 0
     assert sorted(p.name for p in folder.iterdir()) == current
     deleted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("deleted")]

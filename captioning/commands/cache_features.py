@@ -13,7 +13,7 @@ each one is.
   of this config uses: the caches of other keys (other encoders, weights, image sets or cache
   versions; also those of other configs sharing the folder), arrays without an index, the
   temporary files of dead writers and unheld lock files. Says what it deleted and the bytes
-  freed.
+  freed. With `--dry-run` it says what it would delete, and deletes nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-FLAGS = ("--verify", "--prune")
+FLAGS = ("--verify", "--prune", "--dry-run")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if flags:
         keys = split_keys(dm, captioner.feature_cache_key())
         if "--prune" in flags:
-            prune(dm.cache_root(), {key for key, _ in keys.values()})
+            prune(dm.cache_root(), {key for key, _ in keys.values()},
+                  dry_run="--dry-run" in flags)
         return verify(dm.cache_root(), keys) if "--verify" in flags else 0
     if not getattr(dm, "feature_cache", False):
         log.warning("data.feature_cache is false: training will not use the cache built now")
@@ -131,16 +132,19 @@ def _superseded(p: Path, keep: set[str]) -> bool:
     return p.stem not in keep or not p.with_suffix(".json").exists()
 
 
-def prune(cache_dir: Path, keep: set[str]) -> int:
-    """Delete `prunable` files, logging each; returns the bytes freed."""
+def prune(cache_dir: Path, keep: set[str], *, dry_run: bool = False) -> int:
+    """Delete `prunable` files (with `dry_run`, only say which), logging each; returns the
+    bytes freed (or that would be)."""
     freed = 0
     for p in prunable(cache_dir, keep):
         try:
             size = p.stat().st_size
-            p.unlink()
+            if not dry_run:
+                p.unlink()
         except FileNotFoundError:
             continue
         freed += size
-        log.info("deleted %s (%s bytes)", p, f"{size:,}")
-    log.info("pruned %s: %s bytes freed", cache_dir, f"{freed:,}")
+        log.info("%s %s (%s bytes)", "would delete" if dry_run else "deleted", p, f"{size:,}")
+    log.info("%s %s: %s bytes %s", "dry run, nothing deleted in" if dry_run else "pruned",
+             cache_dir, f"{freed:,}", "to free" if dry_run else "freed")
     return freed
