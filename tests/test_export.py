@@ -363,8 +363,8 @@ def test_not_a_folder_or_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(PretrainedError, match="does not exist"):
         Captioner.from_pretrained(tmp_path / "none")
     (tmp_path / "f.txt").write_text("x")
-    with pytest.raises(PretrainedError, match="a checkpoint file loads with "
-                                              "captioning.checkpoint.load_checkpoint"):
+    with pytest.raises(PretrainedError, match=r"a checkpoint file loads with "
+                                              r"captioning\.checkpoint\.load_checkpoint"):
         Captioner.from_pretrained(tmp_path / "f.txt")
     with pytest.raises(FileExistsError, match="not a folder"):
         write_model_folder(tmp_path / "f.txt", state={}, model={}, decode={},

@@ -10,6 +10,7 @@ weights, JSON config and vocabulary, a model card; see `captioning.models.pretra
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
@@ -79,8 +80,10 @@ def check_whole(group: str, config: Any, names: tuple[str, ...]) -> None:
     string from a hand-written dict would fail later, far from its cause)."""
     for name in names:
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{group}.{name} must be a whole number >= 1, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{group}.{name} must be a whole number, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{group}.{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
