@@ -8,6 +8,7 @@ attention maps; the LightningModule, the overlay callback and the `caption` comm
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -137,14 +138,18 @@ def set_aside_results(folder: str | Path, split: str, rank_zero: bool = True) ->
     """Rename an earlier run's `{split}_captions.json` / `{split}_metrics.json` in `folder`
     before a new pass, so that files beside a run are its own (a killed pass leaves none) and
     nothing is lost: to `{split}_*.previous.json`, or where earlier passes were set aside
-    already, `.previous-2.json`, `-3`, ... (the first number free for both files, so a pass's
-    two files keep one number; the higher, the later). Returns the renamed files' new paths."""
+    already, `.previous-2.json`, `-3`, ... (one past the highest number taken by either file,
+    so a pass's two files keep one number; the higher, the later). Returns the new paths."""
     present = [old for old in results_files(folder, split) if old.is_file()]
     if not rank_zero or not present:
         return []
-    n = 1
-    while any(aside_name(old, n).exists() for old in results_files(folder, split)):
-        n += 1
+    taken = [0]  # the numbers set aside before, of either file ("x.previous.json" is 1)
+    for old in results_files(folder, split):
+        for f in old.parent.glob(f"{old.stem}.previous*.json"):
+            found = re.fullmatch(rf"{re.escape(old.stem)}\.previous(?:-(\d+))?\.json", f.name)
+            if found:
+                taken.append(int(found[1] or 1))
+    n = max(taken) + 1  # one past the highest: the higher, the later, whatever was deleted
     moved = [old.replace(aside_name(old, n)) for old in present]
     log.info("moved the previous %s results aside: %s", split, ", ".join(map(str, moved)))
     return moved

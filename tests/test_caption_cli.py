@@ -228,7 +228,7 @@ def test_expand_inputs_dedupes_and_overlay_names_are_unique(tmp_path: Path) -> N
     (tmp_path / "nested" / "dogs" / "1.png").write_bytes(b"\x89PNG")
     nested = expand_inputs([str(tmp_path / "nested")])
     assert nested.paths == [] and nested.problems[0].endswith(
-        f"; its sub-folders hold 1: pass '{tmp_path / 'nested' / '**'}' (quoted) for those")
+        f"; its sub-folders have some: pass '{tmp_path / 'nested' / '**'}' (quoted) for those")
     assert expand_inputs([str(tmp_path / "nested" / "**")]).paths == [
         tmp_path / "nested" / "dogs" / "1.png"]
 

@@ -185,3 +185,12 @@ def test_default_root_dir_on_the_command_line_moves_the_whole_run(
                       "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                       f"--trainer.callbacks.dirpath={mine}")
     assert kept == [*moved, mine]
+    # The trainer config given as a group file (`--trainer FILE`, its keys without "trainer.").
+    group = tmp_path / "trainer.yaml"
+    group.write_text(yaml.safe_dump(shipped["trainer"]))
+    with pytest.raises(_Parsed) as e:
+        lightning_cli(["fit", "--trainer", str(group), "--config", "data/shapes", "--config",
+                       "model/demo_soft", "--trainer.default_root_dir", new])
+    t = e.value.args[0]
+    assert [cb["init_args"]["dirpath"] for cb in t["callbacks"]
+            if cb["class_path"].endswith(".ModelCheckpoint")] == [str(Path(new) / "checkpoints")]

@@ -44,35 +44,48 @@ def test_vocab_is_available_right_after_init(shapes_dm_kwargs: dict, tmp_path: P
 def test_a_saved_vocabulary_is_checked_against_this_runs_captions_and_settings(
         shapes_dm_kwargs: dict, shapes_root: Path, tmp_path: Path) -> None:
     """The vocabulary file a run builds records how (its settings and a digest of the training
-    captions' word counts). A later run with the same loads it; one with other settings or
-    other captions stops, with one problem per field naming the file, which is kept."""
+    captions' word counts). Training with the same loads it; training with other settings or
+    other captions stops at `setup("fit")`, with one problem per field naming the file, which
+    is kept. Evaluation takes the file as it is, and so does training with a word list that
+    records no origin (an exported model's vocab.json)."""
     path = tmp_path / "vocab.json"
     built = CaptionDataModule(**shapes_dm_kwargs, vocab_path=str(path)).vocab
     saved = path.read_bytes()
     assert json.loads(saved)["origin"]["min_count"] == 1
-    assert CaptionDataModule(**shapes_dm_kwargs, vocab_path=str(path)).vocab == built
+    same = CaptionDataModule(**shapes_dm_kwargs, vocab_path=str(path), validate_images=False)
+    same.setup("fit")
+    assert same.vocab == built
+    other = CaptionDataModule(**shapes_dm_kwargs, vocab_path=str(path), min_word_count=3,
+                              max_vocab_size=10, validate_images=False)
+    assert other.vocab == built  # loaded as it is: a test or validate run stops here
+    other.setup("test")
     with pytest.raises(DataError) as e:
-        _ = CaptionDataModule(**shapes_dm_kwargs, vocab_path=str(path), min_word_count=3,
-                              max_vocab_size=10).vocab
+        other.setup("fit")
     assert [(p.file, p.entry, p.field) for p in e.value.problems] == [
         (str(path), "origin", "min_count"), (str(path), "origin", "max_size")]
-    assert "built with 1, this run's is 3" in str(e.value) and "the file is kept" in str(e.value)
-    # The same split file with one training image fewer (vocabulary only: no image is read).
+    assert "built with 1, this run's is 3; pass another data.vocab_path" in str(e.value)
+    # The same split file with one training image fewer (no image is read).
     data = json.loads((shapes_root / "dataset_shapes.json").read_text())
     next(i for i in data["images"] if i["split"] == "train")["split"] = "test"
     fewer = tmp_path / "fewer.json"
     fewer.write_text(json.dumps(data))
-    other = {**shapes_dm_kwargs, "source": KarpathySplits(split_file=str(fewer))}
+    kwargs = {**shapes_dm_kwargs, "source": KarpathySplits(split_file=str(fewer))}
     with pytest.raises(DataError, match="built from other training captions") as e:
-        _ = CaptionDataModule(**other, vocab_path=str(path), min_word_count=1).vocab
+        CaptionDataModule(**kwargs, vocab_path=str(path), min_word_count=1,
+                          validate_images=False).setup("fit")
     assert [p.field for p in e.value.problems] == ["counts"]
     assert path.read_bytes() == saved
     # The split file as it was, read by another source class: the same captions, no problem.
-    same = {**shapes_dm_kwargs, "source": KarpathySplits(
-        split_file=str(shapes_root / "dataset_shapes.json"))}
-    assert CaptionDataModule(**same, vocab_path=str(path), min_word_count=1).vocab == built
-    # A word list from elsewhere (no origin, like an exported model's vocab.json): used as is.
-    assert "origin" not in built.to_dict()
+    kwargs["source"] = KarpathySplits(split_file=str(shapes_root / "dataset_shapes.json"))
+    CaptionDataModule(**kwargs, vocab_path=str(path), min_word_count=1,
+                      validate_images=False).setup("fit")
+    # A word list without an origin: used as it is, whatever the settings.
+    words = tmp_path / "words.json"
+    words.write_text(json.dumps(built.to_dict()))
+    listed = CaptionDataModule(**shapes_dm_kwargs, vocab_path=str(words), min_word_count=3,
+                               validate_images=False)
+    listed.setup("fit")
+    assert listed.vocab == built
 
 
 def _check_batch(batch: CaptionBatch, vocab: Vocabulary) -> None:

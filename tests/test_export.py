@@ -168,6 +168,12 @@ def test_save_pretrained_round_trip_and_default_card(tiny: Tiny, tmp_path: Path)
     card = (again / CARD_FILE).read_text()
     assert f"captioning caption --checkpoint {again}" in card
     assert "Captioner.from_pretrained" in card and '"hidden_dim": 16' in card
+    # The run's loss settings, where the folder has them, go into the copy as well.
+    model.save_pretrained(tmp_path / "with", training={"doubly_stochastic": 0.25})
+    copy = Captioner.from_pretrained(tmp_path / "with").save_pretrained(tmp_path / "copy")
+    assert json.loads((copy / "config.json").read_text())["training"] == {
+        "doubly_stochastic": 0.25}
+    assert "training" not in json.loads((again / "config.json").read_text())  # none known
 
 
 def test_inference_checkpoint_exports_too(tiny: Tiny, tmp_path: Path) -> None:

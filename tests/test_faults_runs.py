@@ -173,11 +173,16 @@ def test_a_test_run_sets_the_previous_results_aside(tmp_path: Path) -> None:
     write_results(EvalResults(hypotheses={1: "fourth caption"}, metrics={}), "test", tmp_path)
     assert sorted(p.name for p in set_aside_results(tmp_path, "test")) == [
         "test_captions.previous-4.json", "test_metrics.previous-4.json"]
+    for name in ("test_captions.previous-3.json", "test_metrics.previous-3.json"):
+        (tmp_path / name).unlink()  # an earlier pass deleted: its number is not reused
+    write_results(EvalResults(hypotheses={1: "fifth caption"}, metrics={}), "test", tmp_path)
+    assert sorted(p.name for p in set_aside_results(tmp_path, "test")) == [
+        "test_captions.previous-5.json", "test_metrics.previous-5.json"]
     texts = {p.name: p.read_text() for p in tmp_path.glob("test_captions.*.json")}
-    assert {name: next(c for c in ("old", "second", "third", "fourth") if c in text)
+    assert {name: next(c for c in ("old", "second", "third", "fourth", "fifth") if c in text)
             for name, text in texts.items()} == {
-        "test_captions.previous.json": "old", "test_captions.previous-3.json": "third",
-        "test_captions.previous-4.json": "fourth"}
+        "test_captions.previous.json": "old", "test_captions.previous-4.json": "fourth",
+        "test_captions.previous-5.json": "fifth"}
 
 
 SLOW_SCORING = slow_command("captioning.metrics", "coco_scores", "scoring")

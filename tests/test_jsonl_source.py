@@ -398,3 +398,11 @@ def test_every_problem_of_the_data_is_listed_at_once(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         _ = unchecked.vocab
     assert [p.entry for p in err.value.problems] == ["line 2", "line 3"]
+    # No line usable: the lines' problems, not the source's "cannot carve val and test".
+    _write_jsonl(tmp_path / "captions.jsonl", [{"image": f"{i}.png", "captoin": "a dog"}
+                                               for i in range(6)])
+    with pytest.raises(DataError) as err:
+        _ = CaptionDataModule(source=JsonlCaptions(root=str(tmp_path), val_size=1, test_size=1),
+                              feature_cache=False, image_size=8).vocab
+    assert [(p.entry, p.field) for p in err.value.problems] == [
+        (f"line {n}", "caption") for n in range(1, 7)]

@@ -12,6 +12,8 @@ from typing import Any
 
 import lightning.pytorch as L
 
+from captioning.run_folder import RUN_CHECKPOINTS
+
 log = logging.getLogger(__name__)
 
 
@@ -194,4 +196,4 @@ def last_checkpoint_path(trainer: L.Trainer) -> Path:
             if "{" in name:  # a formatted last name ("{epoch}-last"): keep the current file
                 return Path(cb.last_model_path or Path(cb.dirpath) / "last.ckpt")
             return Path(cb.dirpath) / name
-    return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+    return Path(trainer.default_root_dir) / RUN_CHECKPOINTS / "last.ckpt"

@@ -11,6 +11,7 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from captioning.atomic import remove_stale_temporaries
+from captioning.run_folder import RUN_CHECKPOINTS
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class LatestCheckpoint(ModelCheckpoint):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self.dirpath:  # where `CheckpointOnInterrupt` and `--ckpt_path last` look
-            self.dirpath = str(Path(trainer.default_root_dir, "checkpoints").resolve())
+            self.dirpath = str(Path(trainer.default_root_dir, RUN_CHECKPOINTS).resolve())
         super().setup(trainer, pl_module, stage)
         folder = Path(str(self.dirpath or ""))
         if stage == "fit" and trainer.is_global_zero and "://" not in str(folder) \

@@ -67,8 +67,8 @@ def expand_arg(arg: str) -> tuple[list[Path], str | None]:
         found = _images_in(p)
         if found:
             return found, None
-        deeper = sum(1 for q in p.rglob("*") if q.is_file() and _is_image_name(q))
-        hint = f"; its sub-folders hold {deeper}: pass '{p / '**'}' (quoted) for those" \
+        deeper = any(q.is_file() and _is_image_name(q) for q in p.rglob("*"))  # to the first
+        hint = f"; its sub-folders have some: pass '{p / '**'}' (quoted) for those" \
             if deeper else ""
         return [], f"{arg}: directory has no images ({', '.join(sorted(IMAGE_EXTENSIONS))}){hint}"
     if p.exists() or not _GLOB_CHARS & set(arg):

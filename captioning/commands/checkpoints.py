@@ -18,7 +18,6 @@ checkpoint beside it, to pass explicitly.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,12 +36,12 @@ from captioning.checkpoint import (
     older_good_checkpoint,
     read_checkpoint,
 )
+from captioning.commands.configs import entry_class
+from captioning.run_folder import RUN_CHECKPOINTS
 
 log = logging.getLogger(__name__)
 
 LAST = f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
-#: The checkpoint folder inside a run folder (`default_root_dir`), as in the shipped configs.
-RUN_CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ def checkpoint_folders(trainer: Mapping[str, Any]) -> list[CheckpointFolder]:
     root = Path(str(trainer.get("default_root_dir") or "."))
     found = []
     for cb in _as_list(trainer.get("callbacks")):
-        cls = cb.__class__ if isinstance(cb, ModelCheckpoint) else _class(cb)
+        cls = cb.__class__ if isinstance(cb, ModelCheckpoint) else entry_class(cb)
         if cls is None or not issubclass(cls, ModelCheckpoint):
             continue
         args = vars(cb) if isinstance(cb, ModelCheckpoint) else dict(cb.get("init_args") or {})
@@ -199,14 +198,3 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def _class(cb: Any) -> type | None:
-    """The class a `class_path` config entry names (None when it does not import)."""
-    path = cb.get("class_path") if hasattr(cb, "get") else None
-    if not isinstance(path, str) or "." not in path:
-        return None
-    module, _, name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-    return cls if isinstance(cls, type) else None

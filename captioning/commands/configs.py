@@ -8,6 +8,7 @@ link to it, so there is one copy). `--config` takes a path, or a shipped config 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from captioning.commands.errors import ConfigError
+from captioning.run_folder import RUN_CHECKPOINTS
 
 #: The shipped configs' folder: trainer/, data/, model/ (and later groups), each of YAML files.
 CONFIG_DIR = Path(str(files("captioning") / "configs"))
@@ -120,18 +122,33 @@ def trainer_config_in(path: Path, run_dir: Path, *, without: Iterable[str] = ()
 
 
 #: The keys of a trainer config's output folders, and where each goes in a run folder.
-OUTPUT_FOLDERS = {"save_dir": ".", "dirpath": "checkpoints"}
+OUTPUT_FOLDERS = {"save_dir": ".", "dirpath": RUN_CHECKPOINTS}
+
+
+def entry_class(entry: Any) -> type | None:
+    """The class a `class_path` config entry names (None when it does not import)."""
+    path = entry.get("class_path") if hasattr(entry, "get") else None
+    if not isinstance(path, str) or "." not in path:
+        return None
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    return cls if isinstance(cls, type) else None
 
 
 def output_folders(trainer: Any) -> list[tuple[Any, str]]:
     """(entry, key) of each output folder a trainer config (YAML or parsed) names: its
-    loggers' `save_dir` and its ModelCheckpoints' `dirpath` (`LatestCheckpoint` finds its own
-    folder in `default_root_dir`)."""
+    loggers' `save_dir` and the `dirpath` of its `ModelCheckpoint`s and their subclasses
+    (`LatestCheckpoint` without one finds its own folder in `default_root_dir`)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     loggers = trainer.get("logger")
     found = [(lg, "save_dir") for lg in (loggers if isinstance(loggers, list) else [loggers])
              if hasattr(lg, "get") and lg.get("class_path")]
     return found + [(cb, "dirpath") for cb in trainer.get("callbacks") or []
-                    if str(cb.get("class_path", "")).rsplit(".", 1)[-1] == "ModelCheckpoint"]
+                    if isinstance(cls := entry_class(cb), type) and issubclass(cls, ModelCheckpoint)]
 
 
 def move_outputs(trainer: Any, old: str | Path, new: str | Path) -> list[str]:

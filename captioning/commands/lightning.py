@@ -187,7 +187,9 @@ class CaptioningCLI(LightningCLI):
         where = config_file_with(raw, key)
         if where is None or not any(a == f"--{key}" or a.startswith(f"--{key}=") for a in raw):
             return
-        old, new = yaml_lookup(where, key)[1], self.config[sub]["trainer"]["default_root_dir"]
+        found, old = yaml_lookup(where, key)  # a --config file, else a --trainer one
+        old = old if found else yaml_lookup(where, key.partition(".")[2])[1]
+        new = self.config[sub]["trainer"]["default_root_dir"]
         if old is not None and new is not None and str(old) != str(new):
             for path in move_outputs(self.config[sub]["trainer"], str(old), str(new)):
                 log.info("run folder %s: %s (was in %s)", new, path, old)
@@ -273,7 +275,7 @@ class CaptioningCLI(LightningCLI):
         sub = self.subcommand
         cfg = self.config[sub] if sub else None
         path = cfg.get("model.init_from") if cfg is not None else None
-        if cfg is not None and cfg.get("model.objective") == "scst" and not (
+        if sub == "fit" and cfg.get("model.objective") == "scst" and not (
                 path or cfg.get("ckpt_path")):
             log.warning("objective scst without model.init_from: SCST from untrained weights")
         if not path or cfg.get("ckpt_path"):

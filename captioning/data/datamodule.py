@@ -35,8 +35,9 @@ from captioning.data.datasets import (
 )
 from captioning.data.features import CacheVerify
 from captioning.data.images import image_problems
-from captioning.data.problems import DataError, Problem, naming_settings
-from captioning.data.readers import DATA_SPLITS, ImageRecord, OnError, split_overlaps
+from captioning.data.problems import DataError, Problem
+from captioning.data.readers import DATA_SPLITS, ImageRecord, OnError
+from captioning.data.reading import bad_images, read_source
 from captioning.data.samplers import (
     BucketBatchSampler,
     EpochShuffleSampler,
@@ -45,7 +46,7 @@ from captioning.data.samplers import (
 )
 from captioning.data.sources import DataSource, ObjectBoxes, ShapesSource
 from captioning.data.transforms import build_image_transform
-from captioning.data.vocab_file import load_or_build_vocab
+from captioning.data.vocab_file import check_origin, load_or_build_vocab
 from captioning.vocab import Vocabulary
 
 if TYPE_CHECKING:
@@ -57,12 +58,6 @@ _STAGE_SPLITS: dict[str | None, tuple[str, ...]] = {
     "fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": (),
     None: DATA_SPLITS,
 }
-
-
-def _bad_images(records: Sequence[ImageRecord], reasons: Sequence[str | None],
-                split: str) -> list[Problem]:
-    return [Problem(str(r.path), f"{split} image {r.image_id!r}", "image", why)
-            for r, why in zip(records, reasons) if why is not None]
 
 
 def _check_arguments(source: DataSource | None, on_bad_data: str, **sizes: int) -> None:
@@ -85,7 +80,8 @@ class CaptionDataModule(L.LightningDataModule):
     The vocabulary is loaded from `vocab_path` when that file exists, else built from the
     training captions the readers accepted (`min_word_count`: None means the source's
     `default_min_word_count`, 1 for shapes and 5 otherwise; `max_vocab_size`) and saved there.
-    A file built so records its settings and captions, and a run with others stops (DataError).
+    A file built so records its settings and captions; `setup("fit")` with others stops
+    (DataError). Evaluation takes the file as it is (a checkpoint holds its own vocabulary).
     It is available right after construction (`vocab`, `vocab_size`), before `setup`, and does
     not depend on the image-file checks.
 
@@ -172,6 +168,7 @@ class CaptionDataModule(L.LightningDataModule):
         self.problems: list[Problem] = []
         self._records: dict[str, list[ImageRecord]] | None = None
         self._vocab: Vocabulary | None = None
+        self._vocab_origin: dict[str, Any] | None = None  # a shared file's, until checked
         self._grounding: ObjectBoxes | None = None
         self._grounding_loaded = False
         self._validated: set[str] = set()
@@ -187,22 +184,8 @@ class CaptionDataModule(L.LightningDataModule):
         if self._records is not None:
             return self._records
         t0 = time.perf_counter()
-        fail = self.on_bad_data == "fail"
-        try:
-            read = self.source.read("skip" if fail else self.on_bad_data)  # "fail": all, below
-        except DataError as e:  # a missing file: which setting names it
-            settings = self.source.config()["init_args"]
-            raise DataError(naming_settings(e.problems, settings)) from None
+        read = read_source(self.source, self.on_bad_data, validate_images=self.validate_images)
         by_split = read.splits
-        leaks = split_overlaps(by_split, self.source.describe)
-        if fail and read.problems:  # in one list: the annotations', then the other images'
-            images = [(split, by_split.get(split, [])) for split in DATA_SPLITS
-                      if self.validate_images]
-            raise DataError([*read.problems, *leaks, *(
-                p for split, records in images
-                for p in _bad_images(records, image_problems([r.path for r in records]), split))])
-        if leaks:
-            raise DataError(leaks)
         self.skipped["captions"] += read.skipped_captions
         self.skipped["images"] += read.skipped_images
         self.problems += read.problems
@@ -225,7 +208,8 @@ class CaptionDataModule(L.LightningDataModule):
     @property
     def vocab(self) -> Vocabulary:
         if self._vocab is None:
-            self._vocab = load_or_build_vocab(self.vocab_path or None, self._build_vocab)
+            self._vocab, self._vocab_origin = load_or_build_vocab(self.vocab_path or None,
+                                                                  self._build_vocab)
         return self._vocab
 
     @property
@@ -278,7 +262,7 @@ class CaptionDataModule(L.LightningDataModule):
         records = self._load_records()[split]
         t0 = time.perf_counter()
         reasons = image_problems([r.path for r in records])
-        bad = _bad_images(records, reasons, split)
+        bad = bad_images(records, reasons, split)
         log.info("checked %d %s images in %.1fs (%d bad)", len(records), split,
                  time.perf_counter() - t0, len(bad))
         if bad:
@@ -297,6 +281,11 @@ class CaptionDataModule(L.LightningDataModule):
         return []
 
     def setup(self, stage: str | None = None) -> None:
+        _ = self.vocab
+        if stage in ("fit", None) and self._vocab_origin and self.vocab_path:
+            # training with a shared vocabulary file: built from these captions and settings?
+            check_origin(self.vocab_path, self._vocab_origin, self._build_vocab().origin or {})
+            self._vocab_origin = None
         splits = _STAGE_SPLITS.get(stage, DATA_SPLITS)
         bad = [p for split in splits for p in self._check_images(split, raise_now=False)]
         if bad:  # the bad images of every split of the stage, before any step runs

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -42,9 +42,15 @@ class DataError(ValueError):
         super().__init__(msg)
 
 
-def entry_order(entry: str) -> list[Any]:
-    """A sort key that puts "line 9" before "line 10" and "images[2]" before "images[10]"."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", entry)]
+def in_file_order(problems: Sequence[Problem]) -> list[Problem]:
+    """One file's `problems` in its order: "line 9" before "line 10", "images[2]" before
+    "images[10]"; kinds of entry ("images[...]", "annotations[...]") stay in the order they
+    were found, and problems of one entry in theirs."""
+    kinds: dict[str, int] = {}
+    for p in problems:
+        kinds.setdefault(re.sub(r"[0-9]+", "#", p.entry), len(kinds))
+    return sorted(problems, key=lambda p: (kinds[re.sub(r"[0-9]+", "#", p.entry)],
+                                           [int(n) for n in re.findall(r"[0-9]+", p.entry)]))
 
 
 MISSING = "file does not exist"

@@ -26,7 +26,7 @@ from captioning.choices import check_choice
 from captioning.data.problems import (
     DataError,
     Problem,
-    entry_order,
+    in_file_order,
     read_problem,
 )
 from captioning.vocab import word_pattern
@@ -104,7 +104,7 @@ class Report:
                 self.skipped_images += 1
 
     def finish(self, records: list[ImageRecord], on_error: str) -> Records:
-        self.problems.sort(key=lambda p: entry_order(p.entry))  # in the file's order
+        self.problems = in_file_order(self.problems)
         if self.problems and on_error == "fail":
             raise DataError(self.problems)
         return Records(records, problems=self.problems, skipped_images=self.skipped_images,

@@ -1,5 +1,5 @@
-"""The vocabulary file that runs share (`CaptionDataModule(vocab_path=...)`): loaded and checked
-against what this run would build, or built and saved."""
+"""The vocabulary file that runs share (`CaptionDataModule(vocab_path=...)`): built and saved
+with its origin once, then loaded; a training run checks the origin against its own."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from captioning.atomic import write_json_atomic
 from captioning.data.problems import DataError, Problem
@@ -17,12 +18,11 @@ log = logging.getLogger(__name__)
 ORIGIN_KEY = "origin"  # beside "words" in the file
 
 
-def load_or_build_vocab(path: str | Path | None, build: Callable[[], Vocabulary]) -> Vocabulary:
-    """The vocabulary at `path` when that file exists, else `build()`'s, saved there (when a
-    path is given) with its origin (`vocab_origin`: settings and a digest of the captions' word
-    counts). Where a file's origin differs from what this run would build, DataError names the
-    file and each field, and the file is kept. A file without an origin (a word list from
-    elsewhere, such as an exported model's) is used as it is."""
+def load_or_build_vocab(path: str | Path | None, build: Callable[[], Vocabulary]
+                        ) -> tuple[Vocabulary, dict[str, Any] | None]:
+    """(the vocabulary at `path` when that file exists, and the origin it records, if any); else
+    (`build()`'s, None), saved there (when a path is given) with its origin (`vocab_origin`:
+    the settings and a digest of the training captions' word counts), for `check_origin`."""
     if path is None or not Path(path).exists():
         vocab = build()
         origin = vocab.origin or {}
@@ -31,14 +31,20 @@ def load_or_build_vocab(path: str | Path | None, build: Callable[[], Vocabulary]
         if path is not None:  # written atomically: DDP ranks may race here
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(path, {**vocab.to_dict(), ORIGIN_KEY: vocab.origin}, indent=None)
-        return vocab
+        return vocab, None
     vocab = Vocabulary.load(path)
     saved = json.loads(Path(path).read_text()).get(ORIGIN_KEY)
-    if isinstance(saved, dict):  # built from this run's captions, with its settings?
-        differ = origin_differences(saved, build().origin or {})
-        if differ:
-            raise DataError(Problem(str(path), ORIGIN_KEY, key, f"{why}; the file is kept: "
-                                    "delete it to build the vocabulary again, or pass another "
-                                    "data.vocab_path") for key, why in differ.items())
     log.info("loaded vocabulary of %d words from %s", len(vocab), path)
-    return vocab
+    return vocab, saved if isinstance(saved, dict) else None
+
+
+def check_origin(path: str | Path, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """Refuse to train with a vocabulary file built from other captions or settings than this
+    run's (`saved` against `wanted`, `vocab_origin`s): DataError names the file and each field
+    that differs; the file is kept. A file without an origin (a word list from elsewhere, such
+    as an exported model's) is never checked, nor is any file outside training."""
+    differ = origin_differences(saved, wanted)
+    if differ:
+        raise DataError(Problem(str(path), ORIGIN_KEY, key, f"{why}; pass another "
+                                "data.vocab_path (the file is kept; delete it to build it again)")
+                        for key, why in differ.items())

@@ -240,6 +240,9 @@ class Captioner(nn.Module):
         #: `from_pretrained` (a model built from a config has no vocabulary).
         self.vocab: Vocabulary | None = None
         self.decode: DecodeConfig = DecodeConfig()
+        #: The loss settings of the run that trained it, where known (`from_pretrained`):
+        #: `save_pretrained` keeps them.
+        self.loss_settings: dict[str, Any] = {}
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -311,7 +314,8 @@ class Captioner(nn.Module):
                         training: Mapping[str, Any] | None = None) -> Path:
         """Write a model folder: model.safetensors, config.json, vocab.json, README.md (`card`,
         or a card made from the config). `vocab` and `decode` default to the model's own
-        (`from_pretrained` sets them); `training`: the run's loss settings, if known. The config
+        (`from_pretrained` sets them); `training`: the run's loss settings (default: the
+        ones `from_pretrained` read, if any). The config
         is saved with `weights: null`: the backbone's weights are in the folder, rebuilding it
         downloads nothing. Returns the folder."""
         vocab = vocab if vocab is not None else self.vocab
@@ -326,7 +330,8 @@ class Captioner(nn.Module):
             card = model_card(config, decode.to_dict(), len(vocab), folder=str(path))
         return write_model_folder(path, state=self.state_dict(), model=config,
                                   decode=decode.to_dict(), vocab=vocab, card=card,
-                                  training=training)
+                                  training=training if training is not None else
+                                  self.loss_settings)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *,
@@ -345,4 +350,5 @@ class Captioner(nn.Module):
                                   f"{e}") from None
         folder.load_into(captioner)
         captioner.vocab, captioner.decode = folder.vocab, decode
+        captioner.loss_settings = dict(folder.training)
         return captioner.to(device).eval()
