@@ -27,6 +27,7 @@ another hard-attention estimator is one class in `HARD_ESTIMATORS`.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
@@ -48,6 +49,8 @@ from captioning.losses import (
 from captioning.models.captioner import Captioner, DecodeConfig
 from captioning.models.decoder import DecoderOutput
 from captioning.scst import ScstConfig, ScstReward, first_of_each, mean_of_others, references_of
+
+log = logging.getLogger(__name__)
 
 RewardForm = Literal["sum", "mean"]
 ObjectiveKind = Literal["cross_entropy", "scst"]
@@ -385,6 +388,12 @@ def check_settings(settings: dict[str, Any]) -> None:
             raise ValueError(f"model.{key} must be in {lo}{low}, {high}{hi}, got {v}")
 
 
+#: REINFORCE's settings and their defaults: another objective ignores them.
+REINFORCE_DEFAULTS = {**{k: p.default for k, p in inspect.signature(Reinforce.__init__)
+                         .parameters.items() if p.default is not p.empty
+                         and k != "doubly_stochastic"}, "advantage": "sequence"}
+
+
 def build_objective(*, attention: str, advantage: str = "sequence",
                     hard_estimator: str = "reinforce", objective: str = "cross_entropy",
                     scst: ScstConfig | None = None, **settings: Any) -> Objective:
@@ -408,6 +417,12 @@ def build_objective(*, attention: str, advantage: str = "sequence",
     else:
         cls = ESTIMATORS[advantage]
     accepted = inspect.signature(cls.__init__).parameters
+    unused = [f"model.{k} {v!r}" for k, v in {**settings, "advantage": advantage}.items()
+              if k in REINFORCE_DEFAULTS and k not in accepted and v != REINFORCE_DEFAULTS[k]
+              and not (k == "advantage" and cls in ESTIMATORS.values())]
+    if unused:
+        log.warning("no effect on %s (%s attention): %s", cls.__name__, attention,
+                    ", ".join(unused))
     ce = cls(**{k: v for k, v in settings.items() if k in accepted})
     if objective == "cross_entropy":
         return ce

@@ -371,3 +371,23 @@ def test_the_python_api_names_bad_input_and_settings(caplog: pytest.LogCaptureFi
     draws = [model.captions(images, sampled, generator=torch.Generator().manual_seed(1))
              for _ in range(2)]
     assert draws[0] == draws[1]
+
+
+def test_hard_attention_fields_another_attention_ignores_are_named(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Hard-attention fields set away from their defaults warn where the model does not use
+    them: every one with soft attention, the Gumbel ones with REINFORCE."""
+    base = {"vocab_size": 10, "backbone": "resnet18", "weights": None, "grid_size": None,
+            "image_size": 64, "embed_dim": 8, "hidden_dim": 8, "attn_dim": 8}
+    cases = [({"semi_sampling_prob": 0.3, "hard_estimator": "gumbel"},
+              "no effect with soft attention: net.semi_sampling_prob 0.3, "
+              "net.hard_estimator 'gumbel'"),
+             ({"attention": "hard", "gumbel_tau_end": 0.2},
+              "no effect with hard attention (reinforce): net.gumbel_tau_end 0.2"),
+             ({"attention": "hard", "hard_estimator": "gumbel", "gumbel_tau_end": 0.2}, None),
+             ({}, None)]
+    for fields_, message in cases:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="captioning.models.captioner"):
+            Captioner(CaptionerConfig(**base, **fields_))
+        assert caplog.messages == ([message] if message else []), fields_

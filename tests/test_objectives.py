@@ -123,3 +123,17 @@ def test_maximum_likelihood_is_the_nll_plus_the_penalty() -> None:
     parts = MaximumLikelihood(doubly_stochastic=0.3)(captioner, torch.randn(3, L, D), _batch())
     torch.testing.assert_close(parts["loss"], parts["nll"] + 0.3 * parts["doubly_stochastic"])
     assert set(parts) == {"loss", "nll", "nll_per_word", "doubly_stochastic"}
+
+
+def test_settings_an_objective_ignores_are_named(caplog: pytest.LogCaptureFixture) -> None:
+    """REINFORCE's settings set away from their defaults warn where the objective does not use
+    them (soft attention, Gumbel); at their defaults, or with REINFORCE, nothing is said."""
+    with caplog.at_level("WARNING", logger="captioning.objectives"):
+        build_objective(attention="hard", hard_estimator="gumbel", advantage="expected",
+                        reward_scale=1.0, entropy_weight=0.01, vocab_size=V)
+        assert caplog.messages == ["no effect on GumbelStraightThrough (hard attention): "
+                                   "model.reward_scale 1.0, model.advantage 'expected'"]
+        caplog.clear()
+        build_objective(attention="soft", advantage="sequence", reward_scale=0.1, vocab_size=V)
+        build_objective(attention="hard", advantage="expected", reward_scale=1.0, vocab_size=V)
+        assert caplog.messages == []

@@ -175,6 +175,16 @@ class CaptionerConfig(_PlainConfig):
                              f"got {self.gumbel_anneal_steps}")
         self.gumbel_schedule()  # validates the temperatures
 
+    def unused(self) -> list[str]:
+        """The hard-attention fields set away from their defaults that this attention ignores:
+        all of them with soft attention, the Gumbel ones with REINFORCE."""
+        names = [f.name for f in fields(self) if f.name.startswith(("hard_", "semi_", "gumbel_"))]
+        if self.attention == "hard":
+            names = [n for n in names if n.startswith("gumbel_")] \
+                if self.hard_estimator == "reinforce" else []
+        defaults = {f.name: f.default for f in fields(self)}
+        return [f"net.{n} {getattr(self, n)!r}" for n in names if getattr(self, n) != defaults[n]]
+
     def gumbel_schedule(self) -> GumbelSchedule:
         """The Gumbel-softmax temperature schedule of these settings."""
         return GumbelSchedule(start=self.gumbel_tau_start, end=self.gumbel_tau_end,
@@ -228,6 +238,10 @@ class Captioner(nn.Module):
             n_layers_att=config.n_layers_att,
             n_layers_init=config.n_layers_init,
         )
+        if config.unused():
+            log.warning("no effect with %s attention%s: %s", config.attention,
+                        f" ({config.hard_estimator})" if config.attention == "hard" else "",
+                        ", ".join(config.unused()))
         native = self.encoder.spec.side(config.image_size)
         if config.grid_size and config.grid_size > native:
             log.warning("net.grid_size %d is finer than %s's %dx%d map at %d px: its %d locations "
