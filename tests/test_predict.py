@@ -271,3 +271,24 @@ def test_predict_help_does_not_import_torch() -> None:
             "assert main(['--help']) == 0\nassert 'torch' not in sys.modules, 'torch'\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
+
+
+def test_sampled_captions(trained: Trained, tmp_path: Path, capsys) -> None:
+    """`--sample` (with `--temperature`) writes one sampled caption per image, as `caption
+    --sample` draws them; `--temperature` without `--sample` is one line, before any work."""
+    import torch
+
+    out = tmp_path / "s.json"
+    torch.manual_seed(0)
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, *trained.images[:3],
+                      "--out", out, "--sample", "--temperature", "1.5", "--max-len", "6", *FAST)
+    assert rc == 0 and err == []
+    records = read_results(out)
+    assert [Path(r["file_name"]).name for r in records] == [p.name for p in trained.images[:3]]
+    assert all(isinstance(r["caption"], str) and len(r["caption"].split()) <= 6
+               for r in records)
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, trained.images[0],
+                      "--out", tmp_path / "t.json", "--temperature", "1.5", *FAST)
+    assert rc == 2 and err == ["error: --temperature must be > 0, with --sample (got 1.5 "
+                               "without --sample)"]
+    assert not (tmp_path / "t.json").exists()

@@ -4,8 +4,9 @@ of images through Lightning's `Trainer.predict`, on one device or many (DDP).
 Inputs are image files, folders, glob patterns (as for `captioning caption`) and list files:
 an argument `@FILE`, or one ending in `.txt` / `.lst`, is a text file naming one image per line
 (blank lines and `#` comments skipped; relative paths are resolved against the list file's
-folder; folders and globs work there too). Decoding follows the checkpoint's settings (always a
-beam search, as `caption` decodes), with `--beam-size` / `--max-len` overrides.
+folder; folders and globs work there too). Decoding follows the checkpoint's settings (a beam
+search, as `caption` decodes), with `--beam-size` / `--max-len` overrides, or with `--sample`
+(and `--temperature`) one sampled caption per image.
 
 Writes `--out` (COCO-style results: a JSON list, in input order, of `{"file_name", "caption",
 "score"}`), optionally the α maps (`--alphas`, one `.npz` per image) and overlay strips
@@ -42,6 +43,7 @@ from captioning.launch import launcher_rank_zero
 if TYPE_CHECKING:
     from captioning.checkpoint import LoadedModel
     from captioning.lit_module import CaptioningModule
+    from captioning.models.captioner import DecodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="beam width (default: the checkpoint's decoding setting)")
     p.add_argument("--max-len", type=int, default=None,
                    help="most words per caption (default: the checkpoint's setting)")
+    p.add_argument("--sample", action="store_true",
+                   help="draw each word from softmax(logits / temperature) instead of a beam")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature, > 0 (default: the checkpoint's, 1.0)")
     p.add_argument("--batch-size", type=int, default=32, help="images per batch and device")
     p.add_argument("--num-workers", type=int, default=2, help="image loading processes per rank")
     p.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto")
@@ -175,11 +181,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         model = load_checkpoint(a.checkpoint, map_location="cpu")
-    except CheckpointError as e:
+        decode = decoding_settings(model.decode, a.beam_size, a.max_len, sample=a.sample,
+                                   temperature=a.temperature)
+    except (CheckpointError, ValueError) as e:
         error(str(e))
         return 2
     start = time.perf_counter()
-    result = _predict(a, argv, model, inputs.paths)
+    result = _predict(a, argv, model, decode, inputs.paths)
     if result is None:
         return 2
     captioned, failed, is_zero = result
@@ -190,23 +198,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def build_module(model: LoadedModel, beam_size: int | None = None,
-                 max_len: int | None = None) -> CaptioningModule:
-    """A `CaptioningModule` (eval mode) holding a loaded model's weights and vocabulary, with
-    its decoding settings overridden as `captioning caption` does."""
+def build_module(model: LoadedModel, decode: DecodeConfig) -> CaptioningModule:
+    """A `CaptioningModule` (eval mode) holding a loaded model's weights and vocabulary,
+    decoding with `decode` (`decoding_settings`: the checkpoint's, overridden as `captioning
+    caption` does)."""
     from dataclasses import replace
 
     from captioning.lit_module import CaptioningModule
 
     module = CaptioningModule(net=replace(model.config, weights=None),  # no download
-                              decode=decoding_settings(model.decode, beam_size, max_len),
-                              compute_metrics=False)
+                              decode=decode, compute_metrics=False)
     module.captioner.load_state_dict(model.captioner.state_dict())
     module.vocab = model.vocab
     return module.eval()
 
 
-def _predict(a: argparse.Namespace, argv: list[str], model: LoadedModel,
+def _predict(a: argparse.Namespace, argv: list[str], model: LoadedModel, decode: DecodeConfig,
              paths: list[Path]) -> tuple[int, int, bool] | None:
     """Run `Trainer.predict`: (captioned, failed, is global zero), or None after reporting
     an unusable trainer setting."""
@@ -238,7 +245,7 @@ def _predict(a: argparse.Namespace, argv: list[str], model: LoadedModel,
                             pin_memory=a.accelerator != "cpu" and torch.cuda.is_available())
     ended = False
     try:
-        trainer.predict(build_module(model, a.beam_size, a.max_len), dataloaders=loader,
+        trainer.predict(build_module(model, decode), dataloaders=loader,
                         return_predictions=False)
         ended = True
     finally:  # the ranks leave together, with no process-group thread left running at exit
