@@ -194,3 +194,18 @@ def test_default_root_dir_on_the_command_line_moves_the_whole_run(
     t = e.value.args[0]
     assert [cb["init_args"]["dirpath"] for cb in t["callbacks"]
             if cb["class_path"].endswith(".ModelCheckpoint")] == [str(Path(new) / "checkpoints")]
+
+
+def test_output_folders_of_a_trainer_config() -> None:
+    """The loggers' `save_dir` and every checkpoint callback's `dirpath`, subclasses and the
+    short class names LightningCLI accepts (`ModelCheckpoint`) included."""
+    from captioning.commands.configs import output_folders
+
+    trainer = {"logger": [{"class_path": "CSVLogger", "init_args": {"save_dir": "x"}}],
+               "callbacks": [{"class_path": "ModelCheckpoint"},
+                             {"class_path": "LearningRateMonitor"},
+                             {"class_path": "captioning.callbacks.LatestCheckpoint"},
+                             {"class_path": "no.such.Callback"}]}
+    assert [(e["class_path"], key) for e, key in output_folders(trainer)] == [
+        ("CSVLogger", "save_dir"), ("ModelCheckpoint", "dirpath"),
+        ("captioning.callbacks.LatestCheckpoint", "dirpath")]

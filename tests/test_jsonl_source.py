@@ -247,6 +247,14 @@ def test_cannot_carve_more_images_than_there_are(tmp_path: Path) -> None:
     _unsplit(tmp_path, n=6)
     with pytest.raises(ValueError, match="cannot carve 3 val and 3 test images out of 6"):
         JsonlCaptions(root=str(tmp_path), val_size=3, test_size=3).read()
+    # Through the data module: a DataError (a one-line user error) naming the file.
+    dm = CaptionDataModule(source=JsonlCaptions(root=str(tmp_path), val_size=3, test_size=3),
+                           feature_cache=False, image_size=8)
+    with pytest.raises(DataError) as err:
+        dm.setup("fit")
+    [problem] = err.value.problems
+    assert (problem.file, problem.field) == (str(tmp_path / "captions.jsonl"), "val/test")
+    assert problem.message.startswith("cannot carve 3 val and 3 test images out of 6")
 
 
 @pytest.mark.parametrize("name", ["val_size", "test_size"])

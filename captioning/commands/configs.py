@@ -125,17 +125,24 @@ def trainer_config_in(path: Path, run_dir: Path, *, without: Iterable[str] = ()
 OUTPUT_FOLDERS = {"save_dir": ".", "dirpath": RUN_CHECKPOINTS}
 
 
+#: Where a `class_path` without a module (`ModelCheckpoint`) is found, as LightningCLI does.
+SHORT_CLASS_MODULES = ("lightning.pytorch.callbacks", "lightning.pytorch.loggers",
+                       "captioning.callbacks")
+
+
 def entry_class(entry: Any) -> type | None:
     """The class a `class_path` config entry names (None when it does not import)."""
     path = entry.get("class_path") if hasattr(entry, "get") else None
-    if not isinstance(path, str) or "." not in path:
+    if not isinstance(path, str) or not path:
         return None
     module, _, name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-    return cls if isinstance(cls, type) else None
+    for where in [module] if module else SHORT_CLASS_MODULES:
+        try:
+            cls = getattr(importlib.import_module(where), name)
+        except (ImportError, AttributeError):
+            continue
+        return cls if isinstance(cls, type) else None
+    return None
 
 
 def output_folders(trainer: Any) -> list[tuple[Any, str]]:

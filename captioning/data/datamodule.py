@@ -219,7 +219,8 @@ class CaptionDataModule(L.LightningDataModule):
     def _build_vocab(self) -> Vocabulary:
         train = self.records("train")
         if not train:
-            raise ValueError("cannot build a vocabulary: the training split is empty")
+            raise DataError([Problem(self.source.describe("train"), "train split", "split",
+                                     "is empty: no vocabulary can be built from it")])
         counts = self._train_tokens(train).counts()
         # Vocabulary.build counts tokens itself: feed each word `count` times.
         return Vocabulary.build(([w] * n for w, n in counts.items()),

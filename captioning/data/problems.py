@@ -46,10 +46,13 @@ def in_file_order(problems: Sequence[Problem]) -> list[Problem]:
     """One file's `problems` in its order: "line 9" before "line 10", "images[2]" before
     "images[10]"; kinds of entry ("images[...]", "annotations[...]") stay in the order they
     were found, and problems of one entry in theirs."""
+    def kind(entry: str) -> str:  # "images" of "images[12] (id 391895)", "line " of "line 3"
+        return re.split(r"[\[0-9]", entry, maxsplit=1)[0]
+
     kinds: dict[str, int] = {}
     for p in problems:
-        kinds.setdefault(re.sub(r"[0-9]+", "#", p.entry), len(kinds))
-    return sorted(problems, key=lambda p: (kinds[re.sub(r"[0-9]+", "#", p.entry)],
+        kinds.setdefault(kind(p.entry), len(kinds))
+    return sorted(problems, key=lambda p: (kinds[kind(p.entry)],
                                            [int(n) for n in re.findall(r"[0-9]+", p.entry)]))
 
 

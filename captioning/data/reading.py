@@ -32,6 +32,10 @@ def read_source(source: DataSource, on_bad_data: OnError, *,
         read = _read(source, on_bad_data)
     except DataError as e:  # a missing file: which setting names it
         raise DataError(naming_settings(e.problems, source.config()["init_args"])) from None
+    except ValueError as e:  # the source's own check of its splits (carving val and test)
+        where = source.describe("train")
+        why = str(e).removeprefix(f"{where}: ")
+        raise DataError([Problem(where, "(splits)", "val/test", why)]) from None
     leaks = split_overlaps(read.splits, source.describe)
     if on_bad_data == "fail" and read.problems:
         images: list[Problem] = []
