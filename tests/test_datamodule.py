@@ -59,6 +59,7 @@ def test_a_saved_vocabulary_is_checked_against_this_runs_captions_and_settings(
                               max_vocab_size=10, validate_images=False)
     assert other.vocab == built  # loaded as it is: a test or validate run stops here
     other.setup("test")
+    assert len(other.dataset_for("train")) > 0  # a split set up on demand (caches): no check
     with pytest.raises(DataError) as e:
         other.setup("fit")
     assert [(p.file, p.entry, p.field) for p in e.value.problems] == [

@@ -287,7 +287,10 @@ class CaptionDataModule(L.LightningDataModule):
             # training with a shared vocabulary file: built from these captions and settings?
             check_origin(self.vocab_path, self._vocab_origin, self._build_vocab().origin or {})
             self._vocab_origin = None
-        splits = _STAGE_SPLITS.get(stage, DATA_SPLITS)
+        self._setup_splits(_STAGE_SPLITS.get(stage, DATA_SPLITS))
+
+    def _setup_splits(self, splits: Sequence[str]) -> None:
+        """The datasets of `splits`, after their images are checked (see `setup`)."""
         bad = [p for split in splits for p in self._check_images(split, raise_now=False)]
         if bad:  # the bad images of every split of the stage, before any step runs
             raise DataError(bad)
@@ -390,8 +393,9 @@ class CaptionDataModule(L.LightningDataModule):
 
     def dataset_for(self, split: str) -> CaptionDataset:
         """The dataset of a split (set up on demand)."""
-        if split not in self._datasets:
-            self.setup({"train": "fit", "val": "validate", "test": "test"}[split])
+        if split not in self._datasets:  # as its stage would, less the vocabulary's check:
+            stage = {"train": "fit", "val": "validate", "test": "test"}[split]
+            self._setup_splits(_STAGE_SPLITS[stage])  # caches and benchmarks do not train
         return self._datasets[split]
 
     # ---- loaders -------------------------------------------------------------------------
