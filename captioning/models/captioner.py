@@ -238,10 +238,11 @@ class Captioner(nn.Module):
             n_layers_att=config.n_layers_att,
             n_layers_init=config.n_layers_init,
         )
-        if config.unused():
+        unused = config.unused()
+        if unused:
             log.warning("no effect with %s attention%s: %s", config.attention,
                         f" ({config.hard_estimator})" if config.attention == "hard" else "",
-                        ", ".join(config.unused()))
+                        ", ".join(unused))
         native = self.encoder.spec.side(config.image_size)
         if config.grid_size and config.grid_size > native:
             log.warning("net.grid_size %d is finer than %s's %dx%d map at %d px: its %d locations "
