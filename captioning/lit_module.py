@@ -231,7 +231,7 @@ class CaptioningModule(L.LightningModule):
     # -- evaluation --------------------------------------------------------------------------
     def generate(self, images: Tensor) -> Generation:
         """Decode with the model's `decode` settings, one caption per image (the best beam or
-        first sample when `decode.num_captions` > 1): the path of val, test, predict, overlays."""
+        first sample when `decode.num_captions` > 1): the path of val, test and overlays."""
         return self.captioner.generate(images, self.decode).first_per_image()
 
     def _eval_step(self, batch: Any, prefix: str) -> None:
@@ -252,11 +252,20 @@ class CaptioningModule(L.LightningModule):
         self._eval_step(batch, "test")
 
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        """Captions of a `captioning.data.predict` batch (for `callbacks.CaptionWriter`)."""
-        gen = self.generate(batch.images)
-        words, texts = evaluation.caption_words(gen, self.vocab)
-        return {"indices": batch.indices, "paths": batch.paths, "words": words,
-                "captions": texts, "scores": gen.scores.tolist(), "generation": gen}
+        """Captions of a `captioning.data.predict` batch (for `callbacks.CaptionWriter`): each
+        image's first caption (its best beam, or first sample) with its words and α maps, and
+        with `decode.num_captions` k > 1 all k as `alternatives` (caption and score)."""
+        full = self.captioner.generate(batch.images, self.decode)
+        k = full.per_image  # rows i·k .. i·k + k - 1 are image i's, best first for beams
+        words, texts = evaluation.caption_words(full, self.vocab)
+        scores = full.scores.tolist()
+        out = {"indices": batch.indices, "paths": batch.paths, "words": words[::k],
+               "captions": texts[::k], "scores": scores[::k], "generation": full.first_per_image()}
+        if k > 1:
+            out["alternatives"] = [[{"caption": texts[r], "score": scores[r]}
+                                    for r in range(k * i, k * i + k)]
+                                   for i in range(len(batch.paths))]
+        return out
 
     def on_validation_epoch_start(self) -> None:
         self._pending = EvalResults()

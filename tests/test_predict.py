@@ -100,6 +100,37 @@ def test_beam_and_length_overrides(trained: Trained, tmp_path: Path, capsys) -> 
     assert all(len(r["caption"].split()) <= 4 for r in read_results(out))
 
 
+def test_num_captions_lists_each_images_best_beams_as_caption_does(
+        trained: Trained, tmp_path: Path, capsys) -> None:
+    """`--num-captions 3 --beam-size 3`: every record keeps its best caption and score, and a
+    `captions` list of the 3 best beams, the same as `caption --num-captions 3 --json`; with
+    `--alphas` the maps are the best caption's. More captions than beams is one line."""
+    paths = trained.images[:3]
+    out = tmp_path / "n.json"
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, *paths, "--out", out,
+                      "--num-captions", 3, "--beam-size", 3, "--alphas", *FAST)
+    assert rc == 0 and err == []
+    rc = caption.main(["--checkpoint", str(trained.checkpoint), "--num-captions", "3",
+                       "--beam-size", "3", "--json", "--device", "cpu", *map(str, paths)])
+    want = {r["path"]: r for r in map(json.loads, capsys.readouterr()[0].splitlines())}
+    records = read_results(out)
+    assert [r["file_name"] for r in records] == [str(p) for p in paths]
+    for r in records:
+        w = want[r["file_name"]]
+        assert [c["caption"] for c in r["captions"]] == [c["caption"] for c in w["captions"]]
+        assert [c["score"] for c in r["captions"]] == pytest.approx(
+            [c["score"] for c in w["captions"]], abs=1e-4)
+        assert r["caption"] == r["captions"][0]["caption"] == w["caption"]
+        assert r["captions"][0]["score"] >= r["captions"][-1]["score"]
+        maps = np.load(r["alphas"])  # a special token such as <unk> keeps its step
+        assert [w for w in maps["words"] if not w.startswith("<")] == r["caption"].split()
+        assert maps["alphas"].shape[0] == len(maps["words"])
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, paths[0], "--out",
+                      tmp_path / "m.json", "--num-captions", 4, "--beam-size", 3, *FAST)
+    assert rc == 2 and err == ["error: --num-captions 4 is more than the beam size 3: raise "
+                               "--beam-size, or --sample"]
+
+
 def test_bad_images_reported_and_skipped(trained: Trained, tmp_path: Path, capsys) -> None:
     corrupt = tmp_path / "corrupt.png"
     corrupt.write_bytes(b"\x89PNG\r\n\x1a\n not really")

@@ -1,8 +1,10 @@
 """`CaptionWriter`: the captions of `Trainer.predict` as one COCO-style results JSON.
 
 The JSON is a list, in input order, of `{"file_name": path as given, "caption": text,
-"score": Σ log p}` (plus `"alphas"` / `"overlay"`: the files written for the image). Images that
-failed to load are reported on stderr (`error: path: reason`, one line each) and left out.
+"score": Σ log p}` (plus `"alphas"` / `"overlay"`: the files written for the image, of its first
+caption; with several captions an image, `"captions"`: each one's `{"caption", "score"}`, best
+first for beams). Images that failed to load are reported on stderr (`error: path: reason`, one
+line each) and left out.
 
 Every rank appends its batches to its own shard (`OUT.rank<r>.jsonl`, one record or failure
 per line) as they are decoded; when every rank is done (the `teardown` hook, after a barrier)
@@ -101,6 +103,8 @@ class CaptionWriter(BasePredictionWriter):
         records = [{"index": i, "file_name": p, "caption": c, "score": s} for i, p, c, s in
                    zip(prediction["indices"], prediction["paths"], prediction["captions"],
                        prediction["scores"])]
+        for rec, alternatives in zip(records, prediction.get("alternatives", ())):
+            rec["captions"] = alternatives
         if records and self.alphas is not None:
             self._write_alphas(pl_module, prediction, records)
         if records and self.overlays is not None:

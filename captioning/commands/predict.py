@@ -6,7 +6,8 @@ an argument `@FILE`, or one ending in `.txt` / `.lst`, is a text file naming one
 (blank lines and `#` comments skipped; relative paths are resolved against the list file's
 folder; folders and globs work there too). Decoding follows the checkpoint's settings (a beam
 search, as `caption` decodes), with `--beam-size` / `--max-len` overrides, or with `--sample`
-(and `--temperature`) one sampled caption per image.
+(and `--temperature`) one sampled caption per image. `--num-captions N` keeps the N best beams
+(or N samples) of each image in a `captions` list beside its best `caption`.
 
 Writes `--out` (COCO-style results: a JSON list, in input order, of `{"file_name", "caption",
 "score"}`), optionally the α maps (`--alphas`, one `.npz` per image) and overlay strips
@@ -126,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="draw each word from softmax(logits / temperature) instead of a beam")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature, > 0 (default: the checkpoint's, 1.0)")
+    p.add_argument("--num-captions", type=int, default=1,
+                   help="captions per image: the N best beams (N <= beam size), or N samples "
+                        "with --sample; the record's `captions` list holds them all")
     p.add_argument("--batch-size", type=int, default=32, help="images per batch and device")
     p.add_argument("--num-workers", type=int, default=2, help="image loading processes per rank")
     p.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto")
@@ -141,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _checked_args(a: argparse.Namespace) -> bool:
     """Whether the numbers and the device spec make sense (else one error line)."""
-    limits = {"beam_size": 1, "max_len": 1, "batch_size": 1, "num_workers": 0, "num_nodes": 1}
+    limits = {"beam_size": 1, "max_len": 1, "num_captions": 1, "batch_size": 1,
+              "num_workers": 0, "num_nodes": 1}
     for name, low in limits.items():
         value = getattr(a, name)
         if value is not None and value < low:
@@ -182,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model = load_checkpoint(a.checkpoint, map_location="cpu")
         decode = decoding_settings(model.decode, a.beam_size, a.max_len, sample=a.sample,
-                                   temperature=a.temperature)
+                                   temperature=a.temperature, num_captions=a.num_captions)
     except (CheckpointError, ValueError) as e:
         error(str(e))
         return 2
