@@ -153,7 +153,9 @@ def test_the_shipped_attention_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     (dry runs)."""
     monkeypatch.chdir(tmp_path)
     assert main(["ablate", "--grid", "attention", "--dry-run"]) == 0
-    assert "27 cells; results in docs/ablations/attention" in capsys.readouterr().out
+    assert "27 cells; results in runs/ablations/attention\n" in capsys.readouterr().out
+    assert main(["ablate", "--out", "docs/ablations/attention", "--dry-run"]) == 0
+    assert "27 cells; results in docs/ablations/attention\n" in capsys.readouterr().out
     assert main(["ablate", "--only", "soft/dot", "--seeds", "0,1", "--dry-run"]) == 0
     assert "2 cells" in capsys.readouterr().out
     assert main(["ablate", "--only", "soft/nope", "--dry-run"]) == 2

@@ -391,7 +391,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "continues an interrupted grid. Exit status 1 when a cell failed.")
     p.add_argument("--grid", default="attention", help="a grid under configs/ablations/, or a "
                    "YAML file (default: attention)")
-    p.add_argument("--out", default=None, help="results folder (default: docs/ablations/<grid>)")
+    p.add_argument("--out", default=None, help="results folder (default: the --runs folder; "
+                   "the README's table: --out docs/ablations/attention)")
     p.add_argument("--runs", default=None, help="run folders (default: runs/ablations/<grid>)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the grid's)")
     p.add_argument("--only", nargs="+", default=None, metavar="VARIANT",
@@ -417,8 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.run_cell:
         return run_cell(Path(a.run_cell))
     grid = load_grid(find_grid(a.grid))
-    out = Path(a.out or f"docs/ablations/{grid.name}")
     runs = Path(a.runs or f"runs/ablations/{grid.name}")
+    out = Path(a.out) if a.out else runs  # results.csv, table.md, plot.png beside the cells
     cells = plan_cells(grid, seeds=seeds_of(a.seeds, grid), only=a.only, runs=runs, tiny=a.tiny)
     if a.dry_run:
         dry_run(cells, out)
