@@ -56,6 +56,13 @@ def caption_words(gen: Generation, vocab: Vocabulary) -> tuple[list[list[str]], 
     return words, texts
 
 
+def ranked_captions(texts: list[str], scores: list[float], k: int) -> list[list[dict[str, Any]]]:
+    """Each image's k captions as `{"caption", "score"}`, best first for beams: rows i·k ..
+    i·k + k - 1 of a `Generation` with k captions an image (`caption` and `predict` output)."""
+    return [[{"caption": texts[r], "score": scores[r]} for r in range(k * i, k * i + k)]
+            for i in range(len(texts) // k)]
+
+
 def to_results(gen: Generation, vocab: Vocabulary, image_ids: list[Any],
                references: list[list[str]] | None = None) -> EvalResults:
     """Decoded words, captions, α maps and scores per image id (one decoded row per image)."""

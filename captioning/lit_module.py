@@ -262,9 +262,7 @@ class CaptioningModule(L.LightningModule):
         out = {"indices": batch.indices, "paths": batch.paths, "words": words[::k],
                "captions": texts[::k], "scores": scores[::k], "generation": full.first_per_image()}
         if k > 1:
-            out["alternatives"] = [[{"caption": texts[r], "score": scores[r]}
-                                    for r in range(k * i, k * i + k)]
-                                   for i in range(len(batch.paths))]
+            out["alternatives"] = evaluation.ranked_captions(texts, scores, k)
         return out
 
     def on_validation_epoch_start(self) -> None:

@@ -303,7 +303,7 @@ def _caption_batch(model: LoadedModel, batch: _Batch, device: torch.device,
     """Decode one batch: one record per image (path, caption, score, tokens, finished)."""
     import torch
 
-    from captioning.evaluation import caption_words
+    from captioning.evaluation import caption_words, ranked_captions
 
     with torch.inference_mode():
         gen = model.captioner.generate(batch.images.to(device), settings)
@@ -312,10 +312,9 @@ def _caption_batch(model: LoadedModel, batch: _Batch, device: torch.device,
     records = [{"path": str(path), "caption": texts[k * i], "score": scores[k * i],
                 "tokens": texts[k * i].split(), "finished": bool(finished[k * i])}
                for i, path in enumerate(batch.paths)]
-    if k > 1:  # rows i·k .. i·k + k - 1 are image i's, best first for beams
-        for i, rec in enumerate(records):
-            rec["captions"] = [{"caption": texts[r], "score": scores[r]}
-                               for r in range(k * i, k * i + k)]
+    if k > 1:
+        for rec, ranked in zip(records, ranked_captions(texts, scores, k)):
+            rec["captions"] = ranked
     return records, gen
 
 
