@@ -7,6 +7,7 @@
 * `captioning cache-features --config ...`  build the frozen-encoder feature cache ahead of time
 * `captioning predict --checkpoint CKPT|DIR IMAGE|DIR|GLOB|LIST ...`  caption many images
   through Lightning (one GPU or many), writing COCO results JSON
+* `captioning score RESULTS.json --references FILE`  coco-caption scores of a results file
 * `captioning export --checkpoint CKPT --out DIR`  a shareable model folder (safetensors, JSON)
 * `captioning configs`  list the configs shipped inside the package
 
@@ -30,8 +31,8 @@ from captioning.locks import sigterm_raises
 #: Commands other than LightningCLI's, by the module under `captioning.commands` that runs them.
 COMMANDS = {"caption": "caption", "demo": "demo", "shapes": "shapes",
             "cache-features": "cache_features", "predict": "predict", "export": "export",
-            "configs": "configs", "ablate": "ablate"}
-NO_WANDB = frozenset({"caption", "shapes", "export", "configs"})
+            "configs": "configs", "ablate": "ablate", "score": "score"}
+NO_WANDB = frozenset({"caption", "shapes", "export", "configs", "score"})
 #: Commands that train through Lightning, which handles SIGTERM itself (`CheckpointOnInterrupt`).
 LIGHTNING_RUNS = frozenset({"demo", "ablate"})
 #: Library messages about the project's own wiring, not the user's run: Lightning's
@@ -87,6 +88,7 @@ Commands:
   demo            generate the shapes data, train, test and print the results
   caption         caption images with a checkpoint or an exported model folder
   predict         caption many images through Lightning (one GPU or many): COCO results JSON
+  score           coco-caption scores (BLEU, METEOR, ROUGE-L, CIDEr-D) of a results JSON
   export          a shareable model folder (safetensors, config.json, vocab.json, model card)
   cache-features  build the frozen encoder's feature cache ahead of time
   shapes          write the synthetic shapes dataset

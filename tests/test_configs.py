@@ -138,9 +138,16 @@ def test_readme_paper_command_shrunk_trains_and_tests(
     net = ckpt["captioning_model_config"]
     assert (net["backbone"], net["hidden_dim"], net["attention"]) == ("vgg19", 1800, attention)
     main(["test", *readme, *paper_shrink_args(tmp_path), "--ckpt_path", str(ckpt_path)])
-    metrics = json.loads(next((tmp_path / "runs" / "paper").rglob("test_metrics.json"))
-                         .read_text())
+    metrics_file = next((tmp_path / "runs" / "paper").rglob("test_metrics.json"))
+    metrics = json.loads(metrics_file.read_text())
     assert "BLEU-4" in json.dumps(metrics)
+    # The README's `captioning score` of the test pass's captions gives the test's scores.
+    captions = metrics_file.with_name("test_captions.json")
+    assert main(["score", str(captions), "--references", str(split_file), "--split", "test",
+                 "--out", str(tmp_path / "scores.json")]) == 0
+    scored = json.loads((tmp_path / "scores.json").read_text())
+    assert set(scored) == {"BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr"}
+    assert scored == pytest.approx({k: metrics[k] for k in scored}, abs=1e-12)
 
 
 class _Parsed(Exception):

@@ -3,6 +3,7 @@
 * `read_karpathy`: the Karpathy split files (dataset_coco.json, dataset_flickr8k.json,
   dataset_flickr30k.json and the shapes dataset's dataset_shapes.json).
 * `read_coco_captions`: raw COCO caption annotations (captions_train2014.json, ...).
+* `read_references`: either kind, told apart by its contents (`captioning score`).
 
 Both return `Records`, a list of `ImageRecord` that also carries the problems found and what was
 skipped. Bad input is reported as `Problem(file, entry, field, message)`; with
@@ -268,10 +269,14 @@ def read_karpathy(
     """
     check_policy(on_error)
     file = Path(split_file)
-    report = Report(str(file))
-    root = str(image_root)
-    images = _top_list(load_json(file, _drop_tokens), file, "images")
+    return _karpathy_records(load_json(file, _drop_tokens), file, str(image_root),
+                             merge_restval=merge_restval, on_error=on_error)
 
+
+def _karpathy_records(data: Any, file: Path, root: str, *, merge_restval: bool,
+                      on_error: OnError) -> Records:
+    report = Report(str(file))
+    images = _top_list(data, file, "images")
     records: list[ImageRecord] = []
     seen: dict[Any, int] = {}
     for i, item in report.objects(images, "images"):
@@ -337,9 +342,11 @@ def read_coco_captions(
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     file = Path(annotations_file)
+    return _coco_records(load_json(file), file, str(image_dir), split=split, on_error=on_error)
+
+
+def _coco_records(data: Any, file: Path, root: str, *, split: str, on_error: OnError) -> Records:
     report = Report(str(file))
-    root = str(image_dir)
-    data = load_json(file)
     images = _top_list(data, file, "images")
     annotations = _top_list(data, file, "annotations")
 
@@ -374,6 +381,19 @@ def read_coco_captions(
                                    tuple(caps)))
 
     return report.finish(records, on_error)
+
+
+def read_references(file: str | os.PathLike[str], *, on_error: OnError = "fail"
+                    ) -> tuple[Records, Literal["karpathy", "coco"]]:
+    """The images and reference captions of a Karpathy split file or of a raw COCO captions
+    file (told apart by its `annotations` list; its images get the split "test"), parsed once,
+    and which kind it is. Paths are the files' own names, under no folder."""
+    check_policy(on_error)
+    path = Path(file)
+    data = load_json(path, _drop_tokens)
+    if isinstance(data, dict) and "annotations" in data:
+        return _coco_records(data, path, "", split="test", on_error=on_error), "coco"
+    return _karpathy_records(data, path, "", merge_restval=True, on_error=on_error), "karpathy"
 
 
 def split_overlaps(by_split: dict[str, list[ImageRecord]],

@@ -1,0 +1,169 @@
+"""`captioning score RESULTS.json --references FILE [--split test]`: the coco-caption scores of
+a results file (BLEU-1..4, METEOR, ROUGE-L, CIDEr-D; SPICE with `--spice`), computed as `test`
+computes them (`captioning.metrics.coco_scores`), so that captions from any source, another
+codebase's included, are scored as the literature's tables are (arctic-captions'
+evaluate_coco.py).
+
+RESULTS is a JSON list of `{"image_id": ID, "caption": TEXT}` (the COCO results format: `test`
+writes it as `test_captions.json`) or of `{"file_name": PATH, "caption": TEXT}` (what `captioning
+predict` writes; an image is then found by its file name). FILE is a Karpathy split file
+(dataset_coco.json, dataset_flickr8k.json, dataset_flickr30k.json) or a raw COCO captions file
+(captions_val2014.json). Each image of RESULTS is scored against its references, as
+coco-caption scores the images of a results file; with `--split` every image must be of that
+split, and a warning says how many of the split's images RESULTS leaves out. An entry that names
+no image, an image captioned twice or a caption that is not text is a problem; all of them are
+listed at once, each naming the file, the entry and the field.
+
+Prints one `METRIC VALUE` line per score (`--json`: one JSON object); `--out FILE` also writes
+the scores as JSON. Exit status: 0 scored, 1 bad input (or Java missing), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from captioning.commands.errors import ConfigError, error
+from captioning.data.problems import DataError, Problem
+from captioning.data.readers import SPLITS, ImageRecord, load_json, read_references, type_name
+
+log = logging.getLogger(__name__)
+
+KEYS = ("image_id", "file_name")  # how a results entry names its image
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="captioning score",
+        description="Score a results JSON (image_id or file_name, caption) against the "
+                    "references of a Karpathy split file or a COCO captions file with the "
+                    "coco-caption metrics.")
+    p.add_argument("results", help="a JSON list of {image_id|file_name, caption}")
+    p.add_argument("--references", required=True, metavar="FILE",
+                   help="a Karpathy split file (dataset_coco.json, ...) or a COCO captions "
+                        "file (captions_val2014.json)")
+    p.add_argument("--split", choices=[s for s in SPLITS if s != "restval"], default=None,
+                   help="every image must be of this split of a Karpathy file (restval counts "
+                        "as train); a warning says how many of its images have no caption")
+    p.add_argument("--spice", action="store_true", help="also SPICE (needs the CoreNLP jars)")
+    p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
+    p.add_argument("--out", default=None, help="also write the scores to this JSON file")
+    return p
+
+
+class Index:
+    """The reference images of a file, found by id or by file name."""
+
+    def __init__(self, records: Sequence[ImageRecord]) -> None:
+        self.by_id = {r.image_id: r for r in records}
+        self.by_name: dict[str, list[ImageRecord]] = {}
+        for r in records:
+            self.by_name.setdefault(Path(r.path).name, []).append(r)
+
+    def find(self, key: str, value: Any) -> tuple[ImageRecord | None, str | None]:
+        """(the record, None), or (None, why not)."""
+        if key == "image_id":
+            found = self.by_id.get(value)
+            return found, None if found else "no image with this id in the references"
+        if not isinstance(value, str) or not value:
+            return None, f"expected a file name, got {type_name(value)}"
+        named = self.by_name.get(Path(value).name, [])
+        if len(named) > 1:
+            ids = ", ".join(repr(r.image_id) for r in named)
+            return None, f"names {len(named)} reference images (ids {ids}): give image_id"
+        return (named[0], None) if named else (None, "no image of this name in the references")
+
+
+def _entry_problem(entry: Any) -> tuple[str | None, str, str | None]:
+    """(the key naming the image, field, problem) of a results entry."""
+    if not isinstance(entry, dict):
+        return None, "(entry)", f"expected an object, got {type_name(entry)}"
+    keys = [k for k in KEYS if k in entry]
+    if len(keys) != 1:
+        return None, "image_id", ("missing (or file_name)" if not keys else
+                                  "give image_id or file_name, not both")
+    caption = entry.get("caption")
+    if not isinstance(caption, str):
+        return keys[0], "caption", ("missing" if "caption" not in entry else
+                                    f"expected a string, got {type_name(caption)}")
+    return keys[0], "caption", None
+
+
+def match_results(results: Path, records: Sequence[ImageRecord], *, split: str | None = None
+                  ) -> tuple[dict[Any, list[str]], dict[Any, str]]:
+    """(references, hypotheses) by image id for the entries of the results file `results`;
+    raises DataError listing every entry that names no image (of `split`), names one twice
+    or has no text caption."""
+    entries = load_json(results)
+    if not isinstance(entries, list):
+        raise DataError([Problem(str(results), "(file)", "(top level)",
+                                 f"expected a list of results, got {type_name(entries)}")])
+    index, problems = Index(records), []
+    hypotheses: dict[Any, str] = {}
+    first: dict[Any, int] = {}
+    for i, entry in enumerate(entries):
+        key, field, why = _entry_problem(entry)
+        name = f"[{i}]" if key is None else f"[{i}] ({key} {entry[key]!r})"
+        record = None
+        if why is None:
+            record, why = index.find(key, entry[key])
+            field = key
+        if record is not None and split is not None and record.split != split:
+            why = f"image {record.image_id!r} is in the {record.split} split, not {split}"
+        elif record is not None and record.image_id in first:
+            why = f"image {record.image_id!r} again (first at [{first[record.image_id]}])"
+        if why is not None:
+            problems.append(Problem(str(results), name, field, why))
+            continue
+        first[record.image_id] = i
+        hypotheses[record.image_id] = entry["caption"]
+    if problems:
+        raise DataError(problems)
+    if not hypotheses:
+        raise DataError([Problem(str(results), "(file)", "(top level)", "no results to score")])
+    return {i: list(index.by_id[i].captions) for i in hypotheses}, hypotheses
+
+
+def score(results: str | Path, references: str | Path, *, split: str | None = None,
+          spice: bool = False) -> dict[str, float]:
+    """The coco-caption scores of a results file against a references file (see the module)."""
+    from captioning.metrics import coco_scores
+
+    records, kind = read_references(references)
+    if split is not None and kind == "coco":
+        raise ConfigError(f"--split: {references} is a COCO captions file, which holds one "
+                          "split; drop --split")
+    refs, hyps = match_results(Path(results), records, split=split)
+    pool = [r for r in records if split is None or r.split == split]
+    if len(hyps) < len(pool) and split is not None:
+        log.warning("%d of the %d %s images of %s have no caption in %s: scored the %d that do",
+                    len(pool) - len(hyps), len(pool), split, references, results, len(hyps))
+    log.info("scoring %d images of %s against %s", len(hyps), results, references)
+    return coco_scores(refs, hyps, spice=spice)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit status."""
+    from captioning.atomic import write_json_atomic
+
+    try:
+        a = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:  # --help or a usage error (argparse printed the message)
+        return int(e.code) if isinstance(e.code, int) else 2
+    try:
+        scores = score(a.results, a.references, split=a.split, spice=a.spice)
+    except RuntimeError as e:  # Java missing, or METEOR failed (`coco_scores`)
+        error(str(e))
+        return 1
+    if a.out:
+        write_json_atomic(Path(a.out), scores, indent=2)
+    text = json.dumps(scores) + "\n" if a.json else "".join(
+        f"{name:<8} {value:.4f}\n" for name, value in scores.items())
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return 0
