@@ -16,7 +16,9 @@ from torch import Tensor
 from captioning import checkpoint as ckpt
 from captioning import evaluation
 from captioning.callbacks.gumbel import GumbelTemperature
+from captioning.data.carving import CARVING, carving_problem
 from captioning.data.features import attach_feature_cache
+from captioning.data.problems import DataError
 from captioning.distributed import broadcast_object
 from captioning.evaluation import EvalResults, compute_metrics, gather, to_results, write_results
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
@@ -121,12 +123,26 @@ class CaptioningModule(L.LightningModule):
             checkpoint[ckpt.CHECKPOINT_VOCAB_KEY] = self.vocab.to_dict()
         checkpoint[ckpt.CHECKPOINT_CONFIG_KEY] = self.net_config.to_dict()
         checkpoint[ckpt.CHECKPOINT_RNG_KEY] = ckpt.rng_states()
+        checkpoint[ckpt.CHECKPOINT_CARVING_KEY] = CARVING
+
+    def _check_carving(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint whose run carved this data source's val/test by another rule is
+        refused: the splits carved now may hold images it trained on."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is None or not hasattr(dm, "carved"):
+            return
+        problem = carving_problem(checkpoint.get("datamodule_hyper_parameters"),
+                                  checkpoint.get(ckpt.CHECKPOINT_CARVING_KEY), dm.source,
+                                  dm.carved)
+        if problem is not None:
+            raise DataError([problem])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = self.state_dict()
         ckpt.upgrade(checkpoint, own_keys=set(state))
         ckpt.check_fits(checkpoint, state=state, config=self.net_config, vocab=self.vocab,
                         strict=getattr(self, "strict_loading", True))
+        self._check_carving(checkpoint)
         if ckpt.CHECKPOINT_VOCAB_KEY in checkpoint:
             self.vocab = Vocabulary.from_dict(checkpoint[ckpt.CHECKPOINT_VOCAB_KEY])
         self._refresh_feature_cache(checkpoint)

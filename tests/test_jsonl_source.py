@@ -347,7 +347,8 @@ def _draw_folder(root: Path, n: int = 24) -> None:
 
 @pytest.mark.usefixtures("signal_handlers_restored")
 def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     scored: list[Any] = []
 
     def scores(references: dict, hypotheses: dict, **kwargs: Any) -> dict[str, float]:
@@ -377,6 +378,18 @@ def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
     assert {c["image_id"] for c in captions} == set(scored) == test_ids and len(test_ids) == 4
     assert all(isinstance(i, str) and i.endswith(".png") for i in test_ids)
     assert json.loads((out / "test_metrics.json").read_text())["BLEU-4"] == 0.125  # as scored
+    # A checkpoint from before carving went by each image's id (no rule recorded) carved these
+    # splits otherwise: its test images now may be ones it trained on. Refused in one error.
+    state = torch.load(ckpt, weights_only=True)
+    assert state.pop("captioning_carving") == 2
+    torch.save(state, tmp_path / "older.ckpt")
+    capsys.readouterr()
+    assert main(["test", *configs, "--ckpt_path", str(tmp_path / "older.ckpt")]) == 1
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: {root / 'captions.jsonl'}: (splits): field 'val/test': the "
+                      "checkpoint's run carved these splits out by an earlier rule, so the "
+                      "images carved now may include images it trained on: use the version of "
+                      "captioning that trained it, or give the source its own val and test files"]
 
 
 def test_every_problem_of_the_data_is_listed_at_once(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 import yaml
 from conftest import SHAPES_PARAMS, boxes_table, shapes_cli_args, shapes_source
 
-from captioning.data import sources
+from captioning.data import carving, sources
 from captioning.data.datamodule import CaptionDataModule
 from captioning.data.problems import DataError
 from captioning.data.shapes import (
@@ -126,10 +126,47 @@ def test_coco_carves_test_out_of_val_and_honours_carve_size(shapes_root: Path) -
     assert small.splits == again.splits
 
 
+def test_carving_goes_by_each_images_id_alone() -> None:
+    """Dropping or adding an image moves at most one image across each boundary, and never a
+    training image into test: a run that skipped an entry at fit and a later test with it
+    fixed carve the same test images but one. Test takes the first ranks, val the next."""
+    from captioning.data.readers import ImageRecord
+
+    records = [ImageRecord(i, Path(f"{i}.jpg"), "train", ("a dog",)) for i in range(1000)]
+    rest, carved = carving.carve(records, {"val": 100, "test": 100})
+    ids = {s: {r.image_id for r in v} for s, v in {**carved, "train": rest}.items()}
+    assert [len(ids[s]) for s in ("train", "val", "test")] == [800, 100, 100]
+    assert [r.image_id for r in rest] == sorted(ids["train"])  # the source's order kept
+    ranked = sorted(range(1000), key=carving.carve_rank)
+    assert set(ranked[:100]) == ids["test"] and set(ranked[100:200]) == ids["val"]
+    for dropped in (next(iter(ids["test"])), next(iter(ids["val"])), next(iter(ids["train"]))):
+        _, now = carving.carve([r for r in records if r.image_id != dropped],
+                               {"val": 100, "test": 100})
+        test = {r.image_id for r in now["test"]}
+        assert test <= ids["test"] | ids["val"] and len(test - ids["test"]) <= 1
+        assert len({r.image_id for r in now["val"]} - ids["val"]) <= 1
+    shuffled = records[::-1]
+    assert {s: [r.image_id for r in v] for s, v in carving.carve(shuffled, {"test": 5})[1]
+            .items()} == {"test": sorted(ids["test"], key=carving.carve_rank)[:5]}
+
+
+def test_a_checkpoint_carved_by_another_rule_is_refused_on_the_same_source_only() -> None:
+    source = CocoCaptions(train_annotations="a/train.json", train_images="a/img")
+    saved = {"source": source.config(), "batch_size": 8}
+    problem = carving.carving_problem(saved, None, source, ("val", "test"))
+    assert problem is not None and (problem.file, problem.entry, problem.field) == (
+        "a/train.json", "(splits)", "val/test")
+    assert carving.carving_problem(saved, carving.CARVING, source, ("val", "test")) is None
+    assert carving.carving_problem(saved, None, source, ()) is None  # nothing carved now
+    other = CocoCaptions(train_annotations="b/train.json", train_images="b/img")
+    assert carving.carving_problem(saved, None, other, ("val", "test")) is None
+    assert carving.carving_problem(None, None, source, ("val", "test")) is None
+
+
 def test_carving_needs_five_images(tmp_path: Path, write_coco: Callable) -> None:
     f = write_coco(tmp_path / "c.json", [(i, f"{i}.jpg") for i in range(4)],
                    [(i, "a dog") for i in range(4)])
-    with pytest.raises(ValueError, match=r"cannot carve \['val', 'test'\] out of 4 train"):
+    with pytest.raises(ValueError, match="cannot carve val and test out of 4 train images"):
         CocoCaptions(train_annotations=str(f), train_images=str(tmp_path)).read()
 
 

@@ -165,6 +165,7 @@ class CaptionDataModule(L.LightningDataModule):
         self._cache_device: Any = None
 
         self.skipped: dict[str, int] = {"captions": 0, "images": 0, "image_files": 0}
+        self.carved: tuple[str, ...] = ()  # the splits the source carved out of another
         self.problems: list[Problem] = []
         self._records: dict[str, list[ImageRecord]] | None = None
         self._vocab: Vocabulary | None = None
@@ -186,6 +187,7 @@ class CaptionDataModule(L.LightningDataModule):
         t0 = time.perf_counter()
         read = read_source(self.source, self.on_bad_data, validate_images=self.validate_images)
         by_split = read.splits
+        self.carved = read.carved
         self.skipped["captions"] += read.skipped_captions
         self.skipped["images"] += read.skipped_images
         self.problems += read.problems

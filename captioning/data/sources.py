@@ -23,6 +23,7 @@ LightningCLI config a source is given by class path:
 from __future__ import annotations
 
 import abc
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -32,8 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from captioning.data.carving import carve
 from captioning.data.problems import DataError, Problem
 from captioning.data.readers import (
     ImageRecord,
@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 
 #: Images carved out for each missing COCO val/test split (at most a fifth of the source).
 COCO_CARVE_SIZE = 5000
-CARVE_SEED = 0  # fixed, so that changing the data module's `seed` never changes a split
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,6 +193,7 @@ class SourceRecords:
     problems: list[Problem] = field(default_factory=list)
     skipped_images: int = 0
     skipped_captions: int = 0
+    carved: tuple[str, ...] = ()  # the splits carved out of another (`carve`)
 
     @classmethod
     def merge(cls, parts: Iterable[Records]) -> SourceRecords:
@@ -367,22 +367,12 @@ class KarpathySplits(DataSource):
         return str(self.split_file)
 
 
-def carve(records: list[ImageRecord], k: int) -> tuple[list[ImageRecord], list[ImageRecord]]:
-    """Deterministically split off k records: (rest, carved). Independent of file order."""
-    ordered = sorted(records, key=lambda r: str(r.image_id))
-    perm = np.random.default_rng(CARVE_SEED).permutation(len(ordered))
-    chosen = set(perm[:k].tolist())
-    rest = [r for i, r in enumerate(ordered) if i not in chosen]
-    carved = [r for i, r in enumerate(ordered) if i in chosen]
-    return rest, carved
-
-
 class CocoCaptions(DataSource):
     """Raw COCO caption files `*_annotations` (captions_train2014.json, ...) with images in
     `*_images`. Missing splits are carved out, `carve_size` images each (at most a fifth of the
     source): test out of val when only `test_annotations` is missing, otherwise the missing val
-    (and test) out of train. Carving sorts by image id and uses a fixed seed, so the evaluation
-    split never changes between runs. `boxes_path`: a boxes.json that grounds evaluation.
+    (and test) out of train, by each image's id alone (`carve`), so the evaluation splits do not
+    change between runs. `boxes_path`: a boxes.json that grounds evaluation.
     """
 
     def __init__(self, *, train_annotations: str, train_images: str,
@@ -412,12 +402,12 @@ class CocoCaptions(DataSource):
         out = SourceRecords.merge(
             read_coco_captions(ann, images, split=split, on_error=on_error)  # type: ignore[arg-type]
             for split, (ann, images) in self.files.items() if ann is not None)
-        self._carve_missing(out.splits)
+        out.carved = self._carve_missing(out.splits)
         return out
 
-    def _carve_missing(self, by_split: dict[str, list[ImageRecord]]) -> None:
+    def _carve_missing(self, by_split: dict[str, list[ImageRecord]]) -> tuple[str, ...]:
         if self.test_annotations is not None and self.val_annotations is not None:
-            return
+            return ()
         if self.val_annotations is None:
             source = "train"
             missing = [s for s in ("val", "test") if self.files[s][0] is None]
@@ -426,13 +416,13 @@ class CocoCaptions(DataSource):
         pool = by_split[source]
         k = min(self.carve_size, len(pool) // 5)
         if k < 1:
-            raise ValueError(f"cannot carve {missing} out of {len(pool)} {source} images")
-        for split in missing:
-            pool, carved = carve(pool, k)
-            by_split[split] = [ImageRecord(r.image_id, r.path, split, r.captions)
-                               for r in carved]
-            log.info("carved %d %s images out of %s", len(carved), split, source)
-        by_split[source] = pool
+            raise ValueError(f"cannot carve {' and '.join(missing)} out of {len(pool)} "
+                             f"{source} images")
+        by_split[source], carved = carve(pool, dict.fromkeys(missing, k))
+        for split, records in carved.items():
+            by_split[split] = [dataclasses.replace(r, split=split) for r in records]
+            log.info("carved %d %s images out of %s", len(records), split, source)
+        return tuple(missing)
 
     def cache_root(self) -> Path:
         return Path(self.train_annotations).parent / CACHE_FOLDER

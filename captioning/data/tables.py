@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import IO, Any
 
+from captioning.data.carving import carve
 from captioning.data.problems import DataError, Problem, read_problem
 from captioning.data.readers import (
     DATA_SPLITS,
@@ -47,7 +48,7 @@ from captioning.data.readers import (
     check_policy,
     type_name,
 )
-from captioning.data.sources import CACHE_FOLDER, DataSource, SourceRecords, carve
+from captioning.data.sources import CACHE_FOLDER, DataSource, SourceRecords
 
 log = logging.getLogger(__name__)
 
@@ -248,9 +249,10 @@ class JsonlCaptions(DataSource):
     are those paths. Val and test, when the table gives none of their images (every image, when
     it has no split column), are carved out of the training images, whole images (every
     caption of an image stays in its split): `val_size` and `test_size` images, each a count
-    (int >= 1) or a fraction of all the table's images (float in (0, 1)). Carving sorts by image
-    path and uses a fixed seed: the same table gives the same splits, whatever the data
-    module's seed. Feature caches go to `root`/features.
+    (int >= 1) or a fraction of all the table's images (float in (0, 1)). Carving goes by each
+    image's path alone (`carve`): the same table gives the same splits, whatever the data
+    module's seed, and a line added or dropped moves at most that many images between splits.
+    Feature caches go to `root`/features.
     """
 
     def __init__(self, *, root: str, captions: str = "captions.jsonl",
@@ -277,6 +279,7 @@ class JsonlCaptions(DataSource):
         missing = [s for s in ("val", "test") if not out.splits[s]]
         if missing:
             self._carve(out.splits, missing)
+            out.carved = tuple(missing)
         return out
 
     def _carve(self, by_split: dict[str, list[ImageRecord]], missing: list[str]) -> None:
@@ -287,11 +290,11 @@ class JsonlCaptions(DataSource):
             want = " and ".join(f"{k} {s}" for s, k in sizes.items())
             raise ValueError(f"{self.table}: cannot carve {want} images out of {len(pool)} "
                              "training images (lower val_size / test_size)")
-        for split, k in sizes.items():
-            pool, carved = carve(pool, k)
-            by_split[split] = [dataclasses.replace(r, split=split) for r in carved]
-            log.info("carved %d %s images out of the %s training images", k, split, self.table)
-        by_split["train"] = pool
+        by_split["train"], carved = carve(pool, sizes)
+        for split, records in carved.items():
+            by_split[split] = [dataclasses.replace(r, split=split) for r in records]
+            log.info("carved %d %s images out of the %s training images", len(records), split,
+                     self.table)
 
     def cache_root(self) -> Path:
         return Path(self.root) / CACHE_FOLDER

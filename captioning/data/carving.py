@@ -1,0 +1,58 @@
+"""Carving val and test out of another split, when a source has none of their images: each
+image's place hangs on its own id (`carve`), and a checkpoint records the rule (`CARVING`), so
+that a later run never evaluates it on images it trained on (`carving_problem`)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from captioning.data.problems import Problem
+from captioning.data.readers import ImageRecord
+
+if TYPE_CHECKING:
+    from captioning.data.sources import DataSource
+
+#: How `carve` chooses images; a checkpoint records it (`CaptioningModule`), and evaluating
+#: a checkpoint whose run carved the same source another way is refused (`carving_problem`).
+CARVING = 2
+
+
+def carve_rank(image_id: Any) -> tuple[bytes, str]:
+    """An image's place in the carving order: a hash of its id alone (then the id)."""
+    text = str(image_id)
+    return hashlib.blake2b(text.encode(), digest_size=8, person=b"carve").digest(), text
+
+
+def carve(records: list[ImageRecord], sizes: Mapping[str, int]
+          ) -> tuple[list[ImageRecord], dict[str, list[ImageRecord]]]:
+    """(the rest, {split: its carved records}): test takes the `sizes["test"]` records first in
+    `carve_rank` order, val the next ones. An image's rank hangs on its own id only, so adding,
+    dropping or skipping other images moves at most as many images across a boundary, and
+    never a training image into test while the sizes stay: carved splits stay put between runs
+    whatever the file order, the data module's seed or the entries skipped."""
+    ordered = sorted(records, key=lambda r: carve_rank(r.image_id))
+    carved: dict[str, list[ImageRecord]] = {}
+    start = 0
+    for split in sorted(sizes, key=lambda s: s != "test"):  # test first: the rarest boundary
+        carved[split] = ordered[start:start + sizes[split]]
+        start += sizes[split]
+    chosen = {id(r) for part in carved.values() for r in part}
+    return [r for r in records if id(r) not in chosen], carved
+
+
+def carving_problem(saved: Mapping[str, Any] | None, rule: Any, source: DataSource,
+                    carved: Sequence[str]) -> Problem | None:
+    """Why a checkpoint must not be used with `source`'s carved splits: its run read the same
+    source (`saved`: its data module's hyperparameters) but carved it by another `rule` (the
+    checkpoint's `CARVING`, None before it was recorded), so the splits carved now may hold
+    images it trained on. None when nothing stands against it."""
+    if not carved or not isinstance(saved, Mapping) or saved.get("source") != source.config():
+        return None
+    if rule == CARVING:
+        return None
+    return Problem(source.describe(carved[0]), "(splits)", "/".join(carved),
+                   "the checkpoint's run carved these splits out by an earlier rule, so the "
+                   "images carved now may include images it trained on: use the version of "
+                   "captioning that trained it, or give the source its own val and test files")
