@@ -59,6 +59,8 @@ def caption_words(gen: Generation, vocab: Vocabulary) -> tuple[list[list[str]], 
 def ranked_captions(texts: list[str], scores: list[float], k: int) -> list[list[dict[str, Any]]]:
     """Each image's k captions as `{"caption", "score"}`, best first for beams: rows i·k ..
     i·k + k - 1 of a `Generation` with k captions an image (`caption` and `predict` output)."""
+    if len(texts) != len(scores) or len(texts) % k:
+        raise ValueError(f"{len(texts)} captions and {len(scores)} scores are not {k} an image")
     return [[{"caption": texts[r], "score": scores[r]} for r in range(k * i, k * i + k)]
             for i in range(len(texts) // k)]
 

@@ -138,13 +138,14 @@ def test_readme_paper_command_shrunk_trains_and_tests(
     net = ckpt["captioning_model_config"]
     assert (net["backbone"], net["hidden_dim"], net["attention"]) == ("vgg19", 1800, attention)
     main(["test", *readme, *paper_shrink_args(tmp_path), "--ckpt_path", str(ckpt_path)])
-    metrics_file = next((tmp_path / "runs" / "paper").rglob("test_metrics.json"))
-    metrics = json.loads(metrics_file.read_text())
+    metrics = json.loads((tmp_path / "runs" / "paper" / "test_metrics.json").read_text())
     assert "BLEU-4" in json.dumps(metrics)
     # The README's `captioning score` of the test pass's captions gives the test's scores.
-    captions = metrics_file.with_name("test_captions.json")
-    assert main(["score", str(captions), "--references", str(split_file), "--split", "test",
-                 "--out", str(tmp_path / "scores.json")]) == 0
+    shown = ("captioning score runs/paper/test_captions.json --references "
+             "data/coco/dataset_coco.json --split test")
+    assert shown in (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert main(["score", "runs/paper/test_captions.json", "--references", str(split_file),
+                 "--split", "test", "--out", str(tmp_path / "scores.json")]) == 0
     scored = json.loads((tmp_path / "scores.json").read_text())
     assert set(scored) == {"BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr"}
     assert scored == pytest.approx({k: metrics[k] for k in scored}, abs=1e-12)

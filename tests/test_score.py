@@ -99,9 +99,13 @@ def test_every_bad_entry_is_listed_with_its_field(karpathy: Path, tmp_path: Path
         {"file_name": "c.jpg", "caption": 7},             # not text
         {"file_name": "a.jpg", "caption": "a square"},    # two images are called a.jpg
         {"caption": "nameless"},
-        {"image_id": 3, "file_name": "c.jpg", "caption": "both"},
+        {"image_id": 4, "file_name": "a.jpg", "caption": "both"},  # image_id wins: fine
         {"image_id": 1, "caption": "a red square"},       # a training image
         "a caption",
+        {"image_id": [3], "caption": "a list"},
+        {"image_id": True, "caption": "a bool"},
+        {"image_id": "3", "caption": "a string id"},
+        {"file_name": "", "caption": "no name"},
     ])
     with pytest.raises(DataError) as e:
         match_results(bad, records, split="test")
@@ -112,9 +116,13 @@ def test_every_bad_entry_is_listed_with_its_field(karpathy: Path, tmp_path: Path
         ("[4] (file_name 'a.jpg')", "file_name",
          "names 2 reference images (ids 1, 5): give image_id"),
         ("[5]", "image_id", "missing (or file_name)"),
-        ("[6]", "image_id", "give image_id or file_name, not both"),
         ("[7] (image_id 1)", "image_id", "image 1 is in the train split, not test"),
         ("[8]", "(entry)", "expected an object, got str"),
+        ("[9] (image_id [3])", "image_id", "expected an int or non-empty string, got list"),
+        ("[10] (image_id True)", "image_id", "expected an int or non-empty string, got bool"),
+        ("[11] (image_id '3')", "image_id",
+         "no image with this id in the references (the references have the int id 3)"),
+        ("[12] (file_name '')", "file_name", "expected a non-empty string, got str"),
     ]
     assert {p.file for p in e.value.problems} == {str(bad)}
     with pytest.raises(DataError, match="expected a list of results, got dict"):
@@ -143,4 +151,25 @@ def test_a_results_file_that_covers_part_of_the_split_is_scored_with_a_warning(
         mp.setattr(captioning.metrics, "coco_scores", scored)
         assert score.score(part, karpathy, split="test") == {"BLEU-4": 0.5}
     assert [r.getMessage() for r in caplog.records] == [
-        f"2 of the 3 test images of {karpathy} have no caption in {part}: scored the 1 that do"]
+        f"2 of the 3 test images of {karpathy} have no caption in {part}: scored the one that "
+        "does"]
+
+
+def test_a_caption_table_and_a_file_with_bad_entries_are_references(tmp_path: Path) -> None:
+    """A captions.jsonl (ids: its relative paths, as `test_captions.json` names them); with
+    `on_bad_data="skip"` a bad reference entry is left out with a warning, as a run with
+    `data.on_bad_data: skip` left it out."""
+    from captioning.commands.score import reference_records
+
+    table = tmp_path / "captions.jsonl"
+    table.write_text("".join(json.dumps({"image": f"img/{n}", "caption": c}) + "\n"
+                             for n, c in [("a.png", "a red dog"), ("b.png", "a cat"),
+                                          ("b.png", "a black cat"), ("c.png", "  ")]))
+    with pytest.raises(DataError, match="line 4: field 'caption'"):
+        reference_records(table)
+    records, kind = reference_records(table, "skip")
+    assert kind == "table" and {r.image_id: r.captions for r in records} == {
+        "img/a.png": ("a red dog",), "img/b.png": ("a cat", "a black cat")}
+    refs, hyps = match_results(results(tmp_path, [{"image_id": "img/b.png", "caption": "cat"}]),
+                               records)
+    assert refs == {"img/b.png": ["a cat", "a black cat"]} and hyps == {"img/b.png": "cat"}

@@ -5,14 +5,16 @@ codebase's included, are scored as the literature's tables are (arctic-captions'
 evaluate_coco.py).
 
 RESULTS is a JSON list of `{"image_id": ID, "caption": TEXT}` (the COCO results format: `test`
-writes it as `test_captions.json`) or of `{"file_name": PATH, "caption": TEXT}` (what `captioning
-predict` writes; an image is then found by its file name). FILE is a Karpathy split file
-(dataset_coco.json, dataset_flickr8k.json, dataset_flickr30k.json) or a raw COCO captions file
-(captions_val2014.json). Each image of RESULTS is scored against its references, as
-coco-caption scores the images of a results file; with `--split` every image must be of that
-split, and a warning says how many of the split's images RESULTS leaves out. An entry that names
-no image, an image captioned twice or a caption that is not text is a problem; all of them are
-listed at once, each naming the file, the entry and the field.
+writes it as `test_captions.json`; other keys are ignored) or of `{"file_name": PATH, "caption":
+TEXT}` (what `captioning predict` writes; an image is then found by its file name; `image_id`
+wins where an entry has both). FILE is a Karpathy split file (dataset_coco.json,
+dataset_flickr8k.json, dataset_flickr30k.json), a raw COCO captions file (captions_val2014.json)
+or a caption table (captions.jsonl / .csv: image ids are its relative paths). Each image of
+RESULTS is scored against its references, as coco-caption scores the images of a results file;
+with `--split` every image must be of that split, and a warning says how many of the split's
+images RESULTS leaves out. An entry that names no image, an image captioned twice or a caption
+that is not text is a problem; all of them are listed at once, each naming the file, the entry
+and the field. As in `test`, the special tokens (`<unk>`, ...) are removed before scoring.
 
 Prints one `METRIC VALUE` line per score (`--json`: one JSON object); `--out FILE` also writes
 the scores as JSON. Exit status: 0 scored, 1 bad input (or Java missing), 2 bad arguments.
@@ -30,7 +32,17 @@ from typing import Any
 
 from captioning.commands.errors import ConfigError, error
 from captioning.data.problems import DataError, Problem
-from captioning.data.readers import SPLITS, ImageRecord, load_json, read_references, type_name
+from captioning.data.readers import (
+    SPLITS,
+    ImageRecord,
+    OnError,
+    Records,
+    id_problem,
+    load_json,
+    read_references,
+    type_name,
+)
+from captioning.data.tables import TABLE_FORMATS, read_captions_table
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +57,14 @@ def _parser() -> argparse.ArgumentParser:
                     "coco-caption metrics.")
     p.add_argument("results", help="a JSON list of {image_id|file_name, caption}")
     p.add_argument("--references", required=True, metavar="FILE",
-                   help="a Karpathy split file (dataset_coco.json, ...) or a COCO captions "
-                        "file (captions_val2014.json)")
+                   help="a Karpathy split file (dataset_coco.json, ...), a COCO captions "
+                        "file (captions_val2014.json) or a caption table (.jsonl, .csv)")
     p.add_argument("--split", choices=[s for s in SPLITS if s != "restval"], default=None,
                    help="every image must be of this split of a Karpathy file (restval counts "
                         "as train); a warning says how many of its images have no caption")
+    p.add_argument("--on-bad-data", choices=("fail", "skip"), default="fail",
+                   help="bad entries of the references file: stop (default), or leave them out "
+                        "with a warning (as a run with data.on_bad_data: skip did)")
     p.add_argument("--spice", action="store_true", help="also SPICE (needs the CoreNLP jars)")
     p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     p.add_argument("--out", default=None, help="also write the scores to this JSON file")
@@ -66,39 +81,51 @@ class Index:
             self.by_name.setdefault(Path(r.path).name, []).append(r)
 
     def find(self, key: str, value: Any) -> tuple[ImageRecord | None, str | None]:
-        """(the record, None), or (None, why not)."""
+        """(the record, None), or (None, why not); `key`: "image_id" or "file_name"."""
         if key == "image_id":
             found = self.by_id.get(value)
-            return found, None if found else "no image with this id in the references"
+            return found, None if found else "no image with this id in the references" + \
+                self._id_hint(value)
         if not isinstance(value, str) or not value:
-            return None, f"expected a file name, got {type_name(value)}"
+            return None, f"expected a non-empty string, got {type_name(value)}"
         named = self.by_name.get(Path(value).name, [])
         if len(named) > 1:
             ids = ", ".join(repr(r.image_id) for r in named)
             return None, f"names {len(named)} reference images (ids {ids}): give image_id"
         return (named[0], None) if named else (None, "no image of this name in the references")
 
+    def _id_hint(self, value: Any) -> str:
+        """The reference id that `value` spells with another type ("391895" for 391895)."""
+        other = str(value) if isinstance(value, int) else (
+            int(value) if isinstance(value, str) and value.strip().isdigit() else None)
+        if other is None or other not in self.by_id:
+            return ""
+        return f" (the references have the {type_name(other)} id {other!r})"
+
 
 def _entry_problem(entry: Any) -> tuple[str | None, str, str | None]:
-    """(the key naming the image, field, problem) of a results entry."""
+    """(the key naming the image: image_id where given, else file_name; field, problem) of a
+    results entry."""
     if not isinstance(entry, dict):
         return None, "(entry)", f"expected an object, got {type_name(entry)}"
-    keys = [k for k in KEYS if k in entry]
-    if len(keys) != 1:
-        return None, "image_id", ("missing (or file_name)" if not keys else
-                                  "give image_id or file_name, not both")
+    key = next((k for k in KEYS if k in entry), None)
+    if key is None:
+        return None, "image_id", "missing (or file_name)"
+    if key == "image_id" and (why := id_problem(entry, key)) is not None:
+        return None, key, why
     caption = entry.get("caption")
     if not isinstance(caption, str):
-        return keys[0], "caption", ("missing" if "caption" not in entry else
-                                    f"expected a string, got {type_name(caption)}")
-    return keys[0], "caption", None
+        return key, "caption", ("missing" if "caption" not in entry else
+                                f"expected a string, got {type_name(caption)}")
+    return key, "caption", None
 
 
-def match_results(results: Path, records: Sequence[ImageRecord], *, split: str | None = None
-                  ) -> tuple[dict[Any, list[str]], dict[Any, str]]:
+def match_results(results: str | Path, records: Sequence[ImageRecord], *,
+                  split: str | None = None) -> tuple[dict[Any, list[str]], dict[Any, str]]:
     """(references, hypotheses) by image id for the entries of the results file `results`;
     raises DataError listing every entry that names no image (of `split`), names one twice
     or has no text caption."""
+    results = Path(results)
     entries = load_json(results)
     if not isinstance(entries, list):
         raise DataError([Problem(str(results), "(file)", "(top level)",
@@ -108,7 +135,9 @@ def match_results(results: Path, records: Sequence[ImageRecord], *, split: str |
     first: dict[Any, int] = {}
     for i, entry in enumerate(entries):
         key, field, why = _entry_problem(entry)
-        name = f"[{i}]" if key is None else f"[{i}] ({key} {entry[key]!r})"
+        name = f"[{i}] ({key} {entry[key]!r})" if key is not None else \
+            f"[{i}] (image_id {entry['image_id']!r})" if field == "image_id" and \
+            isinstance(entry, dict) and "image_id" in entry else f"[{i}]"
         record = None
         if why is None:
             record, why = index.find(key, entry[key])
@@ -129,22 +158,37 @@ def match_results(results: Path, records: Sequence[ImageRecord], *, split: str |
     return {i: list(index.by_id[i].captions) for i in hypotheses}, hypotheses
 
 
+def reference_records(file: str | Path, on_error: OnError = "fail") -> tuple[Records, str]:
+    """The records of a references file, and its kind: "karpathy", "coco" or "table"."""
+    if Path(file).suffix.lower() in TABLE_FORMATS:
+        return read_captions_table(file, "", on_error=on_error), "table"
+    return read_references(file, on_error=on_error)
+
+
 def score(results: str | Path, references: str | Path, *, split: str | None = None,
-          spice: bool = False) -> dict[str, float]:
+          spice: bool = False, on_bad_data: OnError = "fail") -> dict[str, float]:
     """The coco-caption scores of a results file against a references file (see the module)."""
     from captioning.metrics import coco_scores
 
-    records, kind = read_references(references)
+    records, kind = reference_records(references, on_bad_data)
+    if records.problems:
+        log.warning("left out %d bad entries of %s (first: %s)", len(records.problems),
+                    references, records.problems[0])
     if split is not None and kind == "coco":
         raise ConfigError(f"--split: {references} is a COCO captions file, which holds one "
                           "split; drop --split")
-    refs, hyps = match_results(Path(results), records, split=split)
+    refs, hyps = match_results(results, records, split=split)
     pool = [r for r in records if split is None or r.split == split]
     if len(hyps) < len(pool) and split is not None:
-        log.warning("%d of the %d %s images of %s have no caption in %s: scored the %d that do",
-                    len(pool) - len(hyps), len(pool), split, references, results, len(hyps))
-    log.info("scoring %d images of %s against %s", len(hyps), results, references)
+        log.warning("%d of the %d %s images of %s have no caption in %s: scored the %s",
+                    len(pool) - len(hyps), len(pool), split, references, results,
+                    "one that does" if len(hyps) == 1 else f"{len(hyps)} that do")
+    log.info("scoring %s of %s against %s", _count(len(hyps), "image"), results, references)
     return coco_scores(refs, hyps, spice=spice)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help or a usage error (argparse printed the message)
         return int(e.code) if isinstance(e.code, int) else 2
     try:
-        scores = score(a.results, a.references, split=a.split, spice=a.spice)
+        scores = score(a.results, a.references, split=a.split, spice=a.spice,
+                       on_bad_data=a.on_bad_data)
     except RuntimeError as e:  # Java missing, or METEOR failed (`coco_scores`)
         error(str(e))
         return 1
