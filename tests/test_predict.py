@@ -322,7 +322,8 @@ def test_sampled_captions(trained: Trained, tmp_path: Path, capsys) -> None:
                       tmp_path / "two.json", "--sample", "--num-captions", 2, *FAST)
     assert rc == 0 and err == []
     assert all(len(r["captions"]) == 2 and r["caption"] == r["captions"][0]["caption"]
-               and r["score"] == r["captions"][0]["score"] for r in read_results(tmp_path / "two.json"))
+               and r["score"] == r["captions"][0]["score"]
+               for r in read_results(tmp_path / "two.json"))
     rc, err = predict(capsys, "--checkpoint", trained.checkpoint, trained.images[0],
                       "--out", tmp_path / "t.json", "--temperature", "1.5", *FAST)
     assert rc == 2 and err == ["error: --temperature must be > 0, with --sample (got 1.5 "
