@@ -204,7 +204,9 @@ def test_error_line() -> None:
     log = "INFO: x\nTraceback (most recent call last):\n  File ...\nValueError: bad thing\n"
     assert error_line(log, 1) == "ValueError: bad thing"
     assert error_line("INFO: x\nerror: --a: invalid value 'b'\n", 2) == "--a: invalid value 'b'"
-    assert error_line("", -9) == "exit status -9"
+    assert error_line("", 3) == "exit status 3"
+    # a killed cell: the signal, not the last progress-bar line of its log
+    assert error_line("caching val features: 100%|#####| 8/8\n", -9) == "killed by SIGKILL"
 
 
 def test_alpha_entropy_is_the_mean_over_steps() -> None:

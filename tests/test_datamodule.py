@@ -80,6 +80,24 @@ def test_a_saved_vocabulary_is_checked_against_this_runs_captions_and_settings(
     kwargs["source"] = KarpathySplits(split_file=str(shapes_root / "dataset_shapes.json"))
     CaptionDataModule(**kwargs, vocab_path=str(path), min_word_count=1,
                       validate_images=False).setup("fit")
+    # The word list edited (a word deleted, or two swapped) under its unchanged origin.
+    for edit in ("drop", "swap"):
+        damaged = json.loads(saved)
+        words_ = damaged["words"]
+        if edit == "drop":
+            words_.remove("circle")
+        else:
+            words_[-1], words_[-2] = words_[-2], words_[-1]
+        (tmp_path / "damaged.json").write_text(json.dumps(damaged))
+        with pytest.raises(DataError) as e:
+            CaptionDataModule(**shapes_dm_kwargs, vocab_path=str(tmp_path / "damaged.json"),
+                              validate_images=False).setup("fit")
+        (problem,) = e.value.problems
+        assert (problem.file, problem.entry, problem.field) == (
+            str(tmp_path / "damaged.json"), "origin", "words")
+        assert problem.message.startswith(
+            "1 missing and 0 extra against the words its origin gives ('circle' missing)"
+            if edit == "drop" else "the same words in another order")
     # A word list without an origin: used as it is, whatever the settings.
     words = tmp_path / "words.json"
     words.write_text(json.dumps(built.to_dict()))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -114,8 +115,11 @@ def test_export_writes_the_folder(tiny: Tiny) -> None:
     assert {p.name for p in tiny.folder.iterdir()} == FILES  # no temporary files left
     assert is_pretrained_dir(tiny.folder) and not is_pretrained_dir(tiny.checkpoint)
     config = json.loads((tiny.folder / CONFIG_FILE).read_text())
+    digests = config.pop("sha256")
     assert config == {"format": FORMAT, "format_version": 1, "model": NET.to_dict(),
                       "decode": DECODE.to_dict()}  # weights: null, the backbone is in the file
+    assert digests == {name: hashlib.sha256((tiny.folder / name).read_bytes()).hexdigest()
+                       for name in (WEIGHTS_FILE, VOCAB_FILE)}
     assert Vocabulary.load(tiny.folder / VOCAB_FILE) == tiny.vocab
     state = load_file(str(tiny.folder / WEIGHTS_FILE))
     assert state.keys() == tiny.captioner.state_dict().keys()  # no "captioner." prefix
@@ -308,6 +312,14 @@ def _truncate(folder: Path) -> None:
     (folder / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
 
 
+def _flip(folder: Path) -> None:
+    """4 KiB of the tensors' bytes overwritten: still a readable safetensors file."""
+    data = bytearray((folder / WEIGHTS_FILE).read_bytes())
+    (folder / WEIGHTS_FILE).unlink()
+    data[len(data) // 2: len(data) // 2 + 4096] = os.urandom(4096)
+    (folder / WEIGHTS_FILE).write_bytes(bytes(data))
+
+
 def _garbage(folder: Path) -> None:
     (folder / WEIGHTS_FILE).unlink()
     (folder / WEIGHTS_FILE).write_bytes(os.urandom(256))
@@ -342,7 +354,18 @@ BROKEN: dict[str, tuple[str, Callable[[Path], None], str]] = {
                       "embedding rows 14)"),
     "vocab invalid": (VOCAB_FILE, _json(VOCAB_FILE, lambda d: d.update(words=["a"])),
                       "vocabulary must start with the specials"),
+    # Damage a reader cannot see gave wrong captions: config.json's digests catch it.
+    "damaged weights": (WEIGHTS_FILE, _flip, "its SHA-256 is not the one config.json records"),
+    "words swapped": (VOCAB_FILE, _json(VOCAB_FILE, lambda d: d.update(
+        words=[*d["words"][:4], d["words"][5], d["words"][4], *d["words"][6:]])),
+                      "its SHA-256 is not the one config.json records"),
+    "bad digests": (CONFIG_FILE, _json(CONFIG_FILE, lambda d: d.update(sha256=[])),
+                    "'sha256' must be an object, got list"),
 }
+#: Cases of a folder whose config.json records no digests (older exports): each file's own
+#: checks find what is wrong with it.
+NO_DIGESTS = {"missing weight", "unexpected weight", "wrong shape", "vocab too big",
+              "vocab invalid", "vocab not JSON"}
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
@@ -353,6 +376,8 @@ def test_a_broken_folder_fails_in_one_line_naming_the_file(tiny: Tiny, tmp_path:
     folder.mkdir()
     for f in tiny.folder.iterdir():  # the 45 MB of weights are hard-linked, not copied
         (os.link if f.name == WEIGHTS_FILE else shutil.copy)(f, folder / f.name)
+    if case in NO_DIGESTS:
+        _json(CONFIG_FILE, lambda d: d.pop("sha256"))(folder)
     breakage(folder)
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(folder)

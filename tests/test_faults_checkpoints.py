@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import resource
 import shutil
@@ -366,6 +367,31 @@ def test_fit_ckpt_path_last_without_any_checkpoint_starts_afresh(
     assert f"--ckpt_path last: no checkpoint in {tmp_path / 'ckpt'}" in line
     assert main(["fit", "--config", str(cfg), "--ckpt_path", "last"]) == 0
     assert step_of(tmp_path / "ckpt" / "last.ckpt") == BATCHES
+
+
+def test_a_new_fit_in_a_used_run_folder_sets_the_earlier_checkpoints_aside(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Row: the same `fit` again without --ckpt_path overwrote the earlier run's last.ckpt (an
+    # interrupted run's whole training) with a fresh run's first epoch.
+    ckpt = tmp_path / "ckpt"
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, ckpt)
+    assert main(["fit", "--config", str(cfg)]) == 0
+    first = (ckpt / "last.ckpt").read_bytes()
+    assert main(["fit", "--config", str(cfg), "--ckpt_path", "last",  # resuming moves nothing
+                 "--trainer.max_epochs", "2"]) == 0
+    assert not (tmp_path / "ckpt.previous").exists() and step_of(ckpt / "last.ckpt") == 2 * BATCHES
+    resumed = (ckpt / "last.ckpt").read_bytes()
+    with caplog.at_level(logging.WARNING):
+        assert main(["fit", "--config", str(cfg)]) == 0
+    assert (tmp_path / "ckpt.previous" / "last.ckpt").read_bytes() == resumed
+    assert step_of(ckpt / "last.ckpt") == BATCHES  # the new run's own
+    assert any(f"moved the earlier run's checkpoints to {tmp_path / 'ckpt.previous'}" in
+               r.getMessage() for r in caplog.records)
+    assert main(["fit", "--config", str(cfg)]) == 0  # one past the highest number taken
+    assert sorted(p.name for p in tmp_path.glob("ckpt*")) == [
+        "ckpt", "ckpt.previous", "ckpt.previous-2"]
+    assert first != resumed
 
 
 def test_ckpt_path_run_folder_means_its_checkpoints_last_ckpt(

@@ -132,6 +132,20 @@ def test_malformed_json_reports_line_and_column(tmp_path: Path) -> None:
         read_karpathy(f, tmp_path)
 
 
+def test_a_byte_order_mark_is_read_as_editors_write_it(tmp_path: Path,
+                                                       write_karpathy: Callable,
+                                                       write_coco: Callable) -> None:
+    """Files saved by Windows editors start with a UTF-8 BOM: read as the same JSON."""
+    karpathy = write_karpathy(tmp_path / "dataset_coco.json", [
+        {"id": 1, "filename": "a.jpg", "split": "train", "captions": ["a dog runs"]}])
+    coco = write_coco(tmp_path / "captions.json", [(1, "a.jpg")], [(1, "a dog runs")])
+    want = [read_karpathy(karpathy, tmp_path), read_coco_captions(coco, tmp_path, split="val")]
+    for f in (karpathy, coco):
+        f.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())
+    assert [read_karpathy(karpathy, tmp_path),
+            read_coco_captions(coco, tmp_path, split="val")] == want
+
+
 def test_coco_errors_name_file_entry_and_field(tmp_path: Path, write_coco: Callable) -> None:
     f = write_coco(tmp_path / "captions.json", [(1, "a.jpg"), (2, "b.jpg"), (2, "c.jpg")],
                    [(1, "a dog"), (9, "a cat"), (1, "  "), (2, "a cow")])

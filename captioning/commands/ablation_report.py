@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import signal
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,7 +56,14 @@ def cell_metrics(result: dict[str, Any], metrics: Sequence[str]) -> dict[str, fl
 
 
 def error_line(log_text: str, returncode: int) -> str:
-    """The child's one-line error: its `error: ...` line, else the traceback's last line."""
+    """The child's one-line error: its `error: ...` line, else the traceback's last line; for
+    a child killed by a signal (a negative `returncode`), that signal."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
     for ln in reversed(lines):
         if ln.startswith("error: "):

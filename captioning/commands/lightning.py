@@ -42,7 +42,7 @@ from captioning.checkpoint import (
     upgrade_hparams,
 )
 from captioning.commands.checkpoints import explicit_conflicts, resolve_ckpt_path
-from captioning.commands.configs import move_outputs, resolve_config_args
+from captioning.commands.configs import checkpoint_folders, move_outputs, resolve_config_args
 from captioning.commands.errors import ConfigError, user_error_types
 from captioning.commands.hints import (
     EVALUATING,
@@ -68,6 +68,7 @@ from captioning.models.pretrained import (
     read_config,
     read_model_folder,
 )
+from captioning.run_folder import set_aside_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -323,6 +324,13 @@ class CaptioningCLI(LightningCLI):
             # other processes of a DDP run are the same run: global rank zero holds it). Held
             # before anything is written there (init_from's vocabulary).
             self._claims.enter_context(claim_folder(root))
+        if self.subcommand == "fit" and not cfg.get("ckpt_path") and rank_zero_only.rank == 0:
+            for folder in checkpoint_folders(cfg.get("trainer", {})):  # a new run: keep the old
+                moved = set_aside_checkpoints(folder)
+                if moved is not None:
+                    log.warning("a new fit (no --ckpt_path) in a used run folder: moved the "
+                                "earlier run's checkpoints to %s (to resume a run, pass "
+                                "--ckpt_path last)", moved)
         self._apply_init_from()
         logger = cfg.get("trainer", {}).get("logger")
         for lg in logger if isinstance(logger, list) else [logger]:

@@ -287,7 +287,7 @@ class CaptionDataModule(L.LightningDataModule):
         _ = self.vocab
         if stage in ("fit", None) and self._vocab_origin and self.vocab_path:
             # training with a shared vocabulary file: built from these captions and settings?
-            check_origin(self.vocab_path, self._vocab_origin, self._build_vocab().origin or {})
+            check_origin(self.vocab_path, self._vocab_origin, self.vocab, self._build_vocab())
             self._vocab_origin = None
         self._setup_splits(_STAGE_SPLITS.get(stage, DATA_SPLITS))
 

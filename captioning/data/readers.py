@@ -120,7 +120,7 @@ def type_name(value: Any) -> str:
 def load_json(file: Path, object_hook: Callable[[dict], Any] | None = None) -> Any:
     """Parse a JSON file; every failure is a DataError naming the file (and line/column)."""
     try:
-        with open(file, encoding="utf-8") as f:
+        with open(file, encoding="utf-8-sig") as f:  # a BOM (Windows editors) is no error
             return json.load(f, object_hook=object_hook)
     except OSError as e:
         raise DataError([read_problem(file, e)]) from None

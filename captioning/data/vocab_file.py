@@ -38,13 +38,29 @@ def load_or_build_vocab(path: str | Path | None, build: Callable[[], Vocabulary]
     return vocab, saved if isinstance(saved, dict) else None
 
 
-def check_origin(path: str | Path, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
+def check_origin(path: str | Path, saved: dict[str, Any], loaded: Vocabulary,
+                 built: Vocabulary) -> None:
     """Refuse to train with a vocabulary file built from other captions or settings than this
-    run's (`saved` against `wanted`, `vocab_origin`s): DataError names the file and each field
-    that differs; the file is kept. A file without an origin (a word list from elsewhere, such
-    as an exported model's) is never checked, nor is any file outside training."""
-    differ = origin_differences(saved, wanted)
+    run's (its `saved` origin against that of `built`, this run's vocabulary), or whose word
+    list (`loaded`) is not the one its origin builds (edited or damaged since): DataError names
+    the file and each field that differs; the file is kept. A file without an origin (a word
+    list from elsewhere, such as an exported model's) is never checked, nor is any file
+    outside training."""
+    differ = origin_differences(saved, built.origin or {})
+    if not differ and loaded.itos != built.itos:
+        differ = {"words": _words_difference(loaded.itos, built.itos)}
     if differ:
         raise DataError(Problem(str(path), ORIGIN_KEY, key, f"{why}; pass another "
                                 "data.vocab_path (the file is kept; delete it to build it again)")
                         for key, why in differ.items())
+
+
+def _words_difference(saved: list[str], built: list[str]) -> str:
+    missing = [w for w in built if w not in set(saved)]
+    extra = [w for w in saved if w not in set(built)]
+    if not missing and not extra:
+        return "the same words in another order than its origin gives them (their ids differ)"
+    shown = ", ".join([*(f"{w!r} missing" for w in missing[:3]),
+                       *(f"{w!r} extra" for w in extra[:3])])
+    return (f"{len(missing)} missing and {len(extra)} extra against the words its origin gives "
+            f"({shown}): edited or damaged since it was built")

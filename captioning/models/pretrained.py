@@ -5,8 +5,11 @@ A folder holds
 
 * `model.safetensors`: the captioner's state dict (the names `Captioner.state_dict()` gives),
 * `config.json`: `{"format": "captioning-pretrained", "format_version": 1,
-  "model": <CaptionerConfig dict>, "decode": <DecodeConfig dict>, "training": <dict>}`
-  (`training`, optional: the run's loss settings, `captioning.objectives.LOSS_SETTINGS`),
+  "model": <CaptionerConfig dict>, "decode": <DecodeConfig dict>, "training": <dict>,
+  "sha256": {"model.safetensors": <hex>, "vocab.json": <hex>}}` (`training`, optional: the
+  run's loss settings, `captioning.objectives.LOSS_SETTINGS`; `sha256`, optional in older
+  folders: the files' digests, checked on reading, so that a damaged or edited file is an
+  error rather than wrong captions),
 * `vocab.json`: the vocabulary in `Vocabulary.save`'s format, so that
   `--data.vocab_path DIR/vocab.json` trains or evaluates with the same words,
 * `README.md`: a model card.
@@ -20,6 +23,7 @@ build it, and `captioning.checkpoint.load_checkpoint` accepts a folder as well.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -140,7 +144,8 @@ def read_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
             raise PretrainedError(
                 f"{path / name}: missing; an exported model folder holds "
                 f"{', '.join(REQUIRED_FILES)} (an interrupted export leaves no {CONFIG_FILE})")
-    model, decode, training = read_config(path / CONFIG_FILE)
+    data = _config_data(path / CONFIG_FILE)
+    model, decode, training = _config_parts(path / CONFIG_FILE, data)
     try:
         vocab = Vocabulary.load(path / VOCAB_FILE)  # its errors name the file
     except UnicodeDecodeError:
@@ -149,7 +154,9 @@ def read_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
         raise PretrainedError(f"{path / VOCAB_FILE}: cannot read ({e.strerror or e})") from None
     except ValueError as e:
         raise PretrainedError(_one_line(e)) from None
-    return ModelFolder(path, model, decode, vocab, _read_weights(path / WEIGHTS_FILE), training)
+    weights = _read_weights(path / WEIGHTS_FILE)
+    _check_digests(path, data.get("sha256"))  # after each file's own checks, more telling
+    return ModelFolder(path, model, decode, vocab, weights, training)
 
 
 def _read_json(file: Path) -> Any:
@@ -166,6 +173,11 @@ def _read_json(file: Path) -> Any:
 
 def read_config(file: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """config.json's model config, decoding settings and training settings ({} if absent)."""
+    return _config_parts(file, _config_data(file))
+
+
+def _config_data(file: Path) -> dict[str, Any]:
+    """config.json, checked for its format and version."""
     data = _read_json(file)
     found = data.get("format") if isinstance(data, dict) else None
     if found != FORMAT:
@@ -177,12 +189,44 @@ def read_config(file: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, A
     if version > FORMAT_VERSION:
         raise PretrainedError(f"{file}: format_version {version} is newer than this version of "
                               f"captioning reads ({FORMAT_VERSION}); upgrade captioning")
+    return data
+
+
+def _config_parts(file: Path, data: dict[str, Any]
+                  ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     model, decode, training = data.get("model"), data.get("decode", {}), data.get("training", {})
     for key, value in (("model", model), ("decode", decode), ("training", training)):
         if not isinstance(value, dict):
             raise PretrainedError(f"{file}: {key!r} must be an object, got "
                                   f"{type(value).__name__}")
     return model, decode, training
+
+
+def sha256_of(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_digests(path: Path, digests: Any) -> None:
+    """The files' SHA-256 against those config.json records (none in older folders)."""
+    if digests is None:
+        return
+    if not isinstance(digests, dict):
+        raise PretrainedError(f"{path / CONFIG_FILE}: 'sha256' must be an object, got "
+                              f"{type(digests).__name__}")
+    for name in (WEIGHTS_FILE, VOCAB_FILE):
+        want = digests.get(name)
+        try:
+            got = sha256_of(path / name) if want is not None else None
+        except OSError as e:
+            raise PretrainedError(f"{path / name}: cannot read ({e.strerror or e})") from None
+        if got != want:
+            raise PretrainedError(
+                f"{path / name}: its SHA-256 is not the one {CONFIG_FILE} records (changed or "
+                "damaged since the model was exported): export the model again")
 
 
 def _read_weights(file: Path) -> dict[str, Tensor]:
@@ -225,7 +269,9 @@ def write_model_folder(path: str | os.PathLike[str], *, state: Mapping[str, Tens
     write_atomic(path / CARD_FILE, lambda tmp: tmp.write_text(card, encoding="utf-8"))
     config = {"format": FORMAT, "format_version": FORMAT_VERSION,
               "model": dict(model), "decode": dict(decode),
-              **({"training": dict(training)} if training else {})}
+              **({"training": dict(training)} if training else {}),
+              "sha256": {WEIGHTS_FILE: hashlib.sha256(weights).hexdigest(),
+                         VOCAB_FILE: sha256_of(path / VOCAB_FILE)}}
     write_atomic(path / CONFIG_FILE, lambda tmp: tmp.write_text(
         json.dumps(config, indent=2) + "\n", encoding="utf-8"))
     fsync_dir(path)
