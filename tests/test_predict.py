@@ -185,6 +185,61 @@ def test_overlays_are_readable_pngs(trained: Trained, tmp_path: Path, capsys) ->
         assert strip[:64].std() > 1
 
 
+def test_a_killed_runs_temporaries_are_removed_by_the_next_run(
+        trained: Trained, tmp_path: Path, capsys) -> None:
+    """A run killed while writing strips, maps or the JSON left their temporaries; the next
+    `predict` (and `caption --overlay`) into the same folders removes those of dead writers
+    and leaves a live writer's alone."""
+    from captioning.atomic import HOST
+
+    dead, live = 999_999_999, os.getpid()  # above any pid_max: no such process
+    out, overlays = tmp_path / "out" / "c.json", tmp_path / "strips"
+    alphas = out.with_name("c_alphas")
+    left = {folder: folder / f".x.png.{HOST}.{dead}.0123abcd.tmp"
+            for folder in (out.parent, overlays, alphas)}
+    kept = overlays / f".y.png.{HOST}.{live}.0123abcd.tmp"
+    for f in [*left.values(), kept]:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"half a file")
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, trained.images[0], "--out",
+                      out, "--alphas", "--overlays", overlays, *FAST)
+    assert rc == 0 and err == []
+    assert not any(f.exists() for f in left.values()) and kept.exists()
+    left[overlays].write_bytes(b"half a file")
+    assert caption.main(["--checkpoint", str(trained.checkpoint), "--overlay", str(overlays),
+                         "--device", "cpu", str(trained.images[0])]) == 0
+    assert not left[overlays].exists() and kept.exists()
+
+
+def test_a_full_disk_names_the_file_it_could_not_write(
+        trained: Trained, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import io
+
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    setup = CaptionWriter.setup
+
+    def full_setup(self: CaptionWriter, *args: Any, **kwargs: Any) -> None:
+        setup(self, *args, **kwargs)
+        if self._shard is not None:
+            self._shard.close()
+            self._shard = Full()
+
+    monkeypatch.setattr(CaptionWriter, "setup", full_setup)
+    from captioning.cli import main as captioning
+
+    out = tmp_path / "c.json"
+    rc = captioning(["predict", "--checkpoint", str(trained.checkpoint), str(trained.images[0]),
+                     "--out", str(out), *FAST])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert rc == 1
+    assert err == [f"error: [Errno 28] No space left on device: '{out}.rank0.jsonl'"]
+    assert list(tmp_path.iterdir()) == []  # no shard or result left
+
+
 def test_usage_errors(trained: Trained, tmp_path: Path, capsys) -> None:
     img, out = trained.images[0], tmp_path / "c.json"
     rc, err = predict(capsys, "--checkpoint", tmp_path / "none.ckpt", img, "--out", out)

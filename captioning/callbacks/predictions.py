@@ -27,7 +27,7 @@ import lightning.pytorch as L
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from captioning.atomic import write_atomic, write_text_atomic
+from captioning.atomic import remove_stale_temporaries, write_atomic, write_text_atomic
 from captioning.viz import caption_strips, save_strip_png
 
 
@@ -43,6 +43,12 @@ def write_results_json(records: Sequence[dict[str, Any]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     body = ",\n".join(json.dumps(r, ensure_ascii=False) for r in records)
     write_text_atomic(path, f"[\n{body}\n]\n" if records else "[]\n")
+
+
+def _naming(path: Path, e: OSError) -> OSError:
+    """`e` naming `path` where it names no file (a full disk during a write through a file
+    object), so that its one-line report says which file."""
+    return e if e.filename is not None else OSError(e.errno, e.strerror or str(e), str(path))
 
 
 def _savez(path: Path, arrays: dict[str, Any]) -> None:
@@ -90,6 +96,7 @@ class CaptionWriter(BasePredictionWriter):
         for folder in (self.out.parent, self.alphas, self.overlays):
             if folder is not None:
                 folder.mkdir(parents=True, exist_ok=True)
+                remove_stale_temporaries(folder)  # a killed run's writes
         shard = self.shard_path(trainer.global_rank)
         self._shard = open(shard, "w", encoding="utf-8")  # noqa: SIM115  # closed at the end
 
@@ -110,9 +117,12 @@ class CaptionWriter(BasePredictionWriter):
         if records and self.overlays is not None:
             lines += self._write_overlays(pl_module, batch, prediction, records)
         assert self._shard is not None, "on_predict_start opens the shard"
-        self._shard.write("".join(json.dumps(r, ensure_ascii=False) + "\n"
-                                  for r in records + lines))
-        self._shard.flush()
+        try:
+            self._shard.write("".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                      for r in records + lines))
+            self._shard.flush()
+        except OSError as e:
+            raise _naming(self.shard_path(trainer.global_rank), e) from None
 
     def _write_alphas(self, pl_module: Any, prediction: dict[str, Any],
                       records: list[dict[str, Any]]) -> None:
@@ -125,7 +135,10 @@ class CaptionWriter(BasePredictionWriter):
             target = folder / name
             arrays = {"alphas": alphas[k, : len(words)].reshape(len(words), gh, gw),
                       "words": np.array(words, dtype=str)}
-            write_atomic(target, lambda tmp, a=arrays: _savez(tmp, a))
+            try:
+                write_atomic(target, lambda tmp, a=arrays: _savez(tmp, a))
+            except OSError as e:
+                raise _naming(target, e) from None
             rec["alphas"] = str(target)
 
     def _write_overlays(self, pl_module: Any, batch: Any, prediction: dict[str, Any],

@@ -216,6 +216,10 @@ def _caption_all(a: argparse.Namespace, model: LoadedModel, paths: list[Path],
     failed = done = 0
     names = overlay_names(paths) if a.overlay else []
     out_dir = Path(a.overlay) if a.overlay else None
+    if out_dir is not None and out_dir.is_dir():
+        from captioning.atomic import remove_stale_temporaries
+
+        remove_stale_temporaries(out_dir)  # of a killed run's strips
     for batch in _batches(paths, model.config.image_size, a.batch_size):
         for _path, reason in batch.failures:
             error(reason)
