@@ -27,6 +27,7 @@ import fcntl
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -207,3 +208,16 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def die_with_parent() -> None:
+    """In a child process (`Popen(preexec_fn=...)`): receive SIGTERM when the parent dies, even
+    by SIGKILL, so that no orphan runs on in a folder the next run takes (Linux; elsewhere
+    nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

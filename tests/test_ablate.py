@@ -233,3 +233,45 @@ def test_a_malformed_grid_file_is_one_line_naming_it(tmp_path: Path, text: str,
         load_grid(path)
     assert str(info.value).startswith(f"{path}: ") and words in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_cell_still_running_keeps_its_folder_and_dies_with_its_parent(
+        tiny_grid: Path) -> None:
+    """A re-run after the parent was killed: the orphaned cell's folder is not removed under it
+    (its run holds the folder), and a cell's process gets SIGTERM when its parent dies, even by
+    SIGKILL, so that no orphan is left to hold it."""
+    import subprocess
+    import sys
+    import time
+
+    from captioning.commands import ablate
+    from captioning.locks import FolderInUseError, claim_folder
+
+    grid = load_grid(tiny_grid)
+    (cell,) = plan_cells(grid, seeds=[0], only=["soft/dot"], runs=Path("runs"), tiny=True)
+    cell.run_dir.mkdir(parents=True)
+    (cell.run_dir / "last.ckpt").write_bytes(b"a running cell's")
+    with claim_folder(cell.run_dir), pytest.raises(FolderInUseError, match="cell folder in use"):
+        ablate.write_cell_files(cell, "fingerprint")
+    assert (cell.run_dir / "last.ckpt").read_bytes() == b"a running cell's"
+    ablate.write_cell_files(cell, "fingerprint")  # once free: a fresh folder
+    assert not (cell.run_dir / "last.ckpt").exists()
+
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from captioning.locks import die_with_parent\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " preexec_fn=die_with_parent)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    status = Path(f"/proc/{child}/status")
+    for _ in range(100):  # gone, or a zombie waiting for its new parent to reap it
+        if not status.exists() or "State:\tZ" in status.read_text():
+            break
+        time.sleep(0.05)
+    else:
+        subprocess.run(["kill", "-9", str(child)], check=False)
+        pytest.fail("the child outlived its killed parent")

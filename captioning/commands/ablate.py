@@ -46,7 +46,13 @@ from captioning.commands.ablation_report import (
 )
 from captioning.commands.configs import CONFIG_DIR, find_config, trainer_config_in
 from captioning.commands.errors import ConfigError
-from captioning.locks import Terminated, exclusive_lock, sigterm_raises
+from captioning.locks import (
+    Terminated,
+    claim_folder,
+    die_with_parent,
+    exclusive_lock,
+    sigterm_raises,
+)
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +259,9 @@ def stop_child(proc: subprocess.Popen[bytes], *, now: bool) -> None:
 def write_cell_files(cell: Cell, config: str) -> None:
     """A fresh run folder holding the cell's trainer config and `cell.json` (its arguments and
     settings fingerprint `config`)."""
-    if cell.run_dir.exists():
-        shutil.rmtree(cell.run_dir)  # an unfinished cell starts over: no stale versions, ckpts
+    if cell.run_dir.exists():  # an unfinished cell starts over: no stale versions, ckpts
+        with claim_folder(cell.run_dir, what="cell folder"):  # not under a cell still running
+            shutil.rmtree(cell.run_dir)
     cell.run_dir.mkdir(parents=True)
     trainer = trainer_config_in(cell.configs[0], cell.run_dir, without=cell.without)
     write_text_atomic(cell.run_dir / "trainer.yaml", yaml.safe_dump(trainer, sort_keys=False))
@@ -269,7 +276,8 @@ def run_child(args: Sequence[str], log_path: Path) -> tuple[int, float]:
     command = [sys.executable, "-m", "captioning.cli", *args]
     start = time.perf_counter()
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)  # no orphan if the parent dies
         try:
             returncode = proc.wait()
         except BaseException as e:
