@@ -111,6 +111,14 @@ def step_of(path: Path) -> int:
     return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
 
 
+def score_of(path: Path) -> float:
+    """The monitored score of the best checkpoint `path` (its ModelCheckpoint's state)."""
+    callbacks = torch.load(path, map_location="cpu", weights_only=True)["callbacks"]
+    (score,) = {float(v["best_model_score"]) for k, v in callbacks.items()
+                if k.startswith("ModelCheckpoint") and v.get("best_model_score") is not None}
+    return score
+
+
 def epoch_pairs(path: Path, epoch: int) -> Counter:
     """The (image id, caption) pairs that RecordPairs wrote for `epoch`."""
     seen: Counter = Counter()
@@ -367,6 +375,31 @@ def test_fit_ckpt_path_last_without_any_checkpoint_starts_afresh(
     assert f"--ckpt_path last: no checkpoint in {tmp_path / 'ckpt'}" in line
     assert main(["fit", "--config", str(cfg), "--ckpt_path", "last"]) == 0
     assert step_of(tmp_path / "ckpt" / "last.ckpt") == BATCHES
+
+
+def test_sigterm_during_validation_resumes_into_that_validation(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path) -> None:
+    # Row: SIGTERM during the epoch's validation saved a checkpoint whose resume skipped that
+    # validation: no val score for the epoch, and no best checkpoint.
+    ckpt = tmp_path / "ckpt"
+    stop = {"class_path": "tiny_runs.InterruptAt", "init_args": {"epoch": 0, "val_batch": 0}}
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, ckpt, [stop], name="stop.yaml",
+                 limit_val_batches=None)
+    args = ["--data.eval_batch_size", "2"]  # 4 val batches
+    assert main(["fit", "--config", str(cfg), *args]) == 143
+    assert step_of(ckpt / "last.ckpt") == BATCHES and not list(ckpt.glob("best-*.ckpt"))
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, ckpt, name="resume.yaml",
+                 limit_val_batches=None)
+    assert main(["fit", "--config", str(cfg), *args, "--ckpt_path", "last"]) == 0
+    (best,) = ckpt.glob("best-*.ckpt")  # the epoch's validation ran: a monitored score
+    assert step_of(best) == BATCHES
+    # over every val batch, not those after the interruption: an uninterrupted run's score
+    whole = tmp_path / "whole"
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, whole, name="whole.yaml",
+                 limit_val_batches=None)
+    assert main(["fit", "--config", str(cfg), *args]) == 0
+    scores = [score_of(next(folder.glob("best-*.ckpt"))) for folder in (ckpt, whole)]
+    assert scores[0] == pytest.approx(scores[1], rel=1e-6)
 
 
 def test_a_new_fit_in_a_used_run_folder_sets_the_earlier_checkpoints_aside(

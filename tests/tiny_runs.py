@@ -125,8 +125,16 @@ class InterruptAt(L.Callback):
     batch `batch` of it), `presses` times."""
 
     def __init__(self, how: str = "SIGTERM", epoch: int = 0, batch: int | None = None,
-                 presses: int = 1) -> None:
+                 presses: int = 1, val_batch: int | None = None) -> None:
         self.how, self.epoch, self.batch, self.presses = how, epoch, batch, presses
+        self.val_batch = val_batch  # instead: after this validation batch of epoch `epoch`
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if self.val_batch == batch_idx and trainer.current_epoch == self.epoch and \
+                not trainer.sanity_checking:
+            self._signal()
 
     def _signal(self) -> None:
         for _ in range(self.presses):
@@ -139,12 +147,12 @@ class InterruptAt(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         if self.how != "KeyboardInterrupt" and self.batch == batch_idx and \
-                trainer.current_epoch == self.epoch:
+                self.val_batch is None and trainer.current_epoch == self.epoch:
             self._signal()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.how != "KeyboardInterrupt" and self.batch is None and \
-                trainer.current_epoch == self.epoch:
+                self.val_batch is None and trainer.current_epoch == self.epoch:
             self._signal()
 
 

@@ -52,6 +52,7 @@ class CheckpointOnInterrupt(L.Callback):
         self._trainer: L.Trainer | None = None
         self._previous_handler: Any = None
         self._epoch_start = False  # saving an interruption that came before the epoch's batches
+        self._validating = False  # saving an interruption of the epoch's validation
 
     # -- lightning hooks -------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -87,7 +88,9 @@ class CheckpointOnInterrupt(L.Callback):
             log.warning("%s before training started: no checkpoint saved", cause)
             return
         self._training = False
-        existing = _current_last_checkpoint(trainer)
+        # In validation, a last checkpoint of this step (its last batch's) would resume past
+        # the validation: a new one is saved, to resume into it.
+        existing = None if trainer.validating else _current_last_checkpoint(trainer)
         try:
             path = existing or self.save(trainer)
         except FloatingPointError as e:  # a non-finite step was still being checked
@@ -104,6 +107,8 @@ class CheckpointOnInterrupt(L.Callback):
                            checkpoint: dict[str, Any]) -> None:
         if self._epoch_start:
             _as_epoch_boundary(checkpoint)
+        if self._validating:
+            _as_validation_start(checkpoint)
 
     # -- work ------------------------------------------------------------------------------
     def save(self, trainer: L.Trainer) -> Path:
@@ -116,10 +121,11 @@ class CheckpointOnInterrupt(L.Callback):
         # skipping the epoch, so it is saved as the boundary before the epoch instead.
         progress = trainer.fit_loop.epoch_progress.current
         self._epoch_start = progress.ready == progress.started + 1
+        self._validating = trainer.validating
         try:
             trainer.save_checkpoint(path)
         finally:
-            self._epoch_start = False
+            self._epoch_start = self._validating = False
         self.saved_path = path
         return path
 
@@ -156,6 +162,21 @@ def _as_epoch_boundary(checkpoint: dict[str, Any]) -> None:
     except (KeyError, TypeError) as e:  # another Lightning version's layout
         log.warning("CheckpointOnInterrupt: unknown loop state layout (%s); the checkpoint may "
                     "resume after the interrupted epoch", e)
+
+
+def _as_validation_start(checkpoint: dict[str, Any]) -> None:
+    """Rewrite the loop state of a checkpoint taken during the epoch's validation into the state
+    Lightning resumes into that validation from its first batch (a batch started, none
+    processed): resumed as saved, it would skip it (no val scores, no best checkpoint), and
+    resumed mid-way, it would score the batches after the interruption only."""
+    try:
+        val = checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]
+        for part in ("total", "current"):
+            val[part] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+        val["is_last_batch"] = False
+    except (KeyError, TypeError) as e:  # another Lightning version's layout
+        log.warning("CheckpointOnInterrupt: unknown loop state layout (%s); the checkpoint may "
+                    "resume after the interrupted validation", e)
 
 
 def _zero_current(state: dict[str, Any]) -> None:
