@@ -158,16 +158,6 @@ def output_folders(trainer: Any) -> list[tuple[Any, str]]:
                     if isinstance(cls := entry_class(cb), type) and issubclass(cls, ModelCheckpoint)]
 
 
-def checkpoint_folders(trainer: Any) -> list[Path]:
-    """The folders a parsed trainer config's checkpoints go to: its `ModelCheckpoint`s'
-    `dirpath`s and the run folder's own (`RUN_CHECKPOINTS`, `LatestCheckpoint`'s default)."""
-    folders = [Path(str(d)) for entry, key in output_folders(trainer) if key == "dirpath"
-               and (d := (entry.get("init_args") or {}).get(key)) is not None]
-    root = trainer.get("default_root_dir")
-    folders += [Path(str(root)) / RUN_CHECKPOINTS] if root else []
-    return list(dict.fromkeys(folders))
-
-
 def move_outputs(trainer: Any, old: str | Path, new: str | Path) -> list[str]:
     """Move the output folders of a parsed trainer config that lie in `old` (its run folder
     as the config file set it) to the same place in `new`; returns the moved keys' new paths."""

@@ -41,8 +41,12 @@ from captioning.checkpoint import (
     read_checkpoint,
     upgrade_hparams,
 )
-from captioning.commands.checkpoints import explicit_conflicts, resolve_ckpt_path
-from captioning.commands.configs import checkpoint_folders, move_outputs, resolve_config_args
+from captioning.commands.checkpoints import (
+    checkpoint_folders,
+    explicit_conflicts,
+    resolve_ckpt_path,
+)
+from captioning.commands.configs import move_outputs, resolve_config_args
 from captioning.commands.errors import ConfigError, user_error_types
 from captioning.commands.hints import (
     EVALUATING,
@@ -68,7 +72,7 @@ from captioning.models.pretrained import (
     read_config,
     read_model_folder,
 )
-from captioning.run_folder import set_aside_checkpoints
+from captioning.run_folder import RUN_CHECKPOINTS, set_aside_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -325,12 +329,7 @@ class CaptioningCLI(LightningCLI):
             # before anything is written there (init_from's vocabulary).
             self._claims.enter_context(claim_folder(root))
         if self.subcommand == "fit" and not cfg.get("ckpt_path") and rank_zero_only.rank == 0:
-            for folder in checkpoint_folders(cfg.get("trainer", {})):  # a new run: keep the old
-                moved = set_aside_checkpoints(folder)
-                if moved is not None:
-                    log.warning("a new fit (no --ckpt_path) in a used run folder: moved the "
-                                "earlier run's checkpoints to %s (to resume a run, pass "
-                                "--ckpt_path last)", moved)
+            _set_aside_earlier_checkpoints(cfg.get("trainer", {}))
         self._apply_init_from()
         logger = cfg.get("trainer", {}).get("logger")
         for lg in logger if isinstance(logger, list) else [logger]:
@@ -340,6 +339,18 @@ class CaptioningCLI(LightningCLI):
                 for k, v in wandb_dirs(save_dir).items():
                     os.environ.setdefault(k, v)
                     Path(v).mkdir(parents=True, exist_ok=True)
+
+
+def _set_aside_earlier_checkpoints(trainer: dict[str, Any]) -> None:
+    """A new fit (no `--ckpt_path`): the checkpoints an earlier run left in this run's folders
+    move aside (`run_folder.set_aside_checkpoints`), so that none is overwritten."""
+    root = Path(str(trainer.get("default_root_dir") or "."))
+    folders = [f.folder for f in checkpoint_folders(trainer)] + [root / RUN_CHECKPOINTS]
+    for folder in dict.fromkeys(folders):
+        moved = set_aside_checkpoints(folder)
+        if moved is not None:
+            log.warning("a new fit (no --ckpt_path) in a used run folder: moved the earlier "
+                        "run's checkpoints to %s (to resume a run, pass --ckpt_path last)", moved)
 
 
 def lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> CaptioningCLI:
