@@ -382,9 +382,13 @@ def check_fits(checkpoint: Mapping[str, Any], *, state: Mapping[str, torch.Tenso
     if CHECKPOINT_VOCAB_KEY in checkpoint and vocab is not None:
         saved = Vocabulary.from_dict(checkpoint[CHECKPOINT_VOCAB_KEY])
         if saved != vocab:
+            lacking = [w for w in saved.itos if w not in set(vocab.itos)]
+            how = (f"{len(lacking)} of its words are not in the data's, e.g. "
+                   f"{', '.join(map(repr, lacking[:3]))}" if lacking else
+                   "the same words in another order")
             raise CheckpointError(
                 f"the checkpoint's vocabulary ({len(saved)} words) is not the data's "
-                f"({len(vocab)} words); resume or evaluate with the vocabulary the "
+                f"({len(vocab)} words: {how}); resume or evaluate with the vocabulary the "
                 "model was trained with (data.vocab_path)")
     theirs = checkpoint.get("state_dict")
     if not isinstance(theirs, Mapping):

@@ -59,6 +59,7 @@ from captioning.data.samplers import (
     EpochShuffleSampler,
     ResumableDataLoader,
 )
+from captioning.vocab import Vocabulary
 
 pytestmark = pytest.mark.usefixtures("signal_handlers_restored")
 
@@ -400,6 +401,27 @@ def test_sigterm_during_validation_resumes_into_that_validation(
     assert main(["fit", "--config", str(cfg), *args]) == 0
     scores = [score_of(next(folder.glob("best-*.ckpt"))) for folder in (ckpt, whole)]
     assert scores[0] == pytest.approx(scores[1], rel=1e-6)
+
+
+def test_evaluation_scores_with_the_checkpoints_own_vocabulary(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Row: `test` of a run whose data config builds its vocabulary each run (no vocab_path)
+    # rebuilt it from today's captions and settings, and refused the checkpoint ("16 words is
+    # not the data's 16 words").
+    ckpt = tmp_path / "ckpt"
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, ckpt)
+    assert main(["fit", "--config", str(cfg)]) == 0
+    trained = Vocabulary.from_dict(torch.load(ckpt / "last.ckpt", weights_only=True)
+                                   ["captioning_vocab"])
+    other = ["--data.max_vocab_size", "10"]  # today's data builds another vocabulary
+    assert main(["test", "--config", str(cfg), *other, "--ckpt_path", "last"]) == 0
+    assert Vocabulary.load(tmp_path / "checkpoint_vocab.json") == trained
+    capsys.readouterr()
+    assert main(["test", "--config", str(cfg), *other, "--ckpt_path", "last",  # given: kept
+                 "--data.vocab_path", str(tmp_path / "mine.json")]) == 1
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "the checkpoint's vocabulary" in line and "of its words are not in the data's, e.g." in line
 
 
 def test_a_new_fit_in_a_used_run_folder_sets_the_earlier_checkpoints_aside(

@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from captioning.atomic import write_json_atomic
 from captioning.checkpoint import (
+    CHECKPOINT_VOCAB_KEY,
     CheckpointError,
     LoadedModel,
     load_checkpoint,
@@ -73,6 +74,7 @@ from captioning.models.pretrained import (
     read_model_folder,
 )
 from captioning.run_folder import RUN_CHECKPOINTS, set_aside_checkpoints
+from captioning.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ INIT_ONLY = ("model.net.weights", "model.init_from")
 INIT_FROM_KEEPS = ("_instantiator", "vocab_size", "init_from", "objective", "scst")
 #: Where `model.init_from` puts its checkpoint's vocabulary for the data module, in the run folder.
 INIT_FROM_VOCAB = "init_from_vocab.json"
+#: Where `validate` / `test` put the checkpoint's vocabulary when the data's is another.
+CHECKPOINT_VOCAB = "checkpoint_vocab.json"
 
 
 def wandb_dirs(run_dir: str | Path) -> dict[str, str]:
@@ -179,6 +183,8 @@ class CaptioningCLI(LightningCLI):
         if sub == "fit" and epochs is not None and max_epochs not in (None, -1) \
                 and epochs[0] > max_epochs:  # Lightning's own check, before the data setup
             raise ConfigError(max_epochs_message(ckpt_path, epochs[0], max_epochs, epochs[1]))
+        if sub in EVALUATING and isinstance(data.get(CHECKPOINT_VOCAB_KEY), dict):
+            self._checkpoint_vocab = data[CHECKPOINT_VOCAB_KEY]  # the data module's, below
         hparams = upgrade_hparams(data.get("hyper_parameters") or {})
         hparams.pop("_instantiator", None)
         if hparams:
@@ -268,6 +274,27 @@ class CaptioningCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.image_size", "model.net.image_size")
 
+    def _use_checkpoint_vocab(self, cfg: Any) -> None:
+        """`validate` / `test` of a checkpoint score with its own vocabulary: where the data's
+        (`data.vocab_path`, or one built from today's training captions) is another, the
+        checkpoint's is written to the run folder (`CHECKPOINT_VOCAB`) and used, unless
+        `--data.vocab_path` is given (then the two must agree)."""
+        saved = getattr(self, "_checkpoint_vocab", None)
+        raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
+        if saved is None or given(raw, "data.vocab_path"):
+            return
+        vocab = Vocabulary.from_dict(saved)
+        current = cfg["data"].get("vocab_path")
+        with contextlib.suppress(OSError, ValueError):
+            if current and Vocabulary.load(current) == vocab:
+                return
+        root = Path(str(cfg.get("trainer", {}).get("default_root_dir") or "."))
+        root.mkdir(parents=True, exist_ok=True)
+        cfg["data"]["vocab_path"] = str(write_json_atomic(root / CHECKPOINT_VOCAB,
+                                                          vocab.to_dict()))
+        log.info("scoring with the checkpoint's vocabulary (%d words), not data.vocab_path's "
+                 "(%s): %s", len(vocab), current, cfg["data"]["vocab_path"])
+
     def _apply_init_from(self) -> None:
         """`model.init_from: CKPT` (a checkpoint file or an exported model folder): its network
         (`net`) replaces the config's as with `--ckpt_path` (a `--model.net.*` flag that
@@ -330,6 +357,7 @@ class CaptioningCLI(LightningCLI):
             self._claims.enter_context(claim_folder(root))
         if self.subcommand == "fit" and not cfg.get("ckpt_path") and rank_zero_only.rank == 0:
             _set_aside_earlier_checkpoints(cfg.get("trainer", {}))
+        self._use_checkpoint_vocab(cfg)
         self._apply_init_from()
         logger = cfg.get("trainer", {}).get("logger")
         for lg in logger if isinstance(logger, list) else [logger]:
