@@ -298,6 +298,7 @@ class CaptioningModule(L.LightningModule):
                                       grounding=getattr(dm, "grounding", None),
                                       image_size=getattr(dm, "image_size", None),
                                       spice=self.hparams.spice and prefix == "test")
+            metrics["images"] = float(len(results.hypotheses))  # scored (bad ones skipped)
         results.metrics = metrics = broadcast_object(metrics)  # rank zero's, on every rank
         for name, value in metrics.items():
             self.log(f"{prefix}/{name}", value, rank_zero_only=False, sync_dist=False)

@@ -377,7 +377,8 @@ def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
                                                   test_size=4).read().splits["test"]}
     assert {c["image_id"] for c in captions} == set(scored) == test_ids and len(test_ids) == 4
     assert all(isinstance(i, str) and i.endswith(".png") for i in test_ids)
-    assert json.loads((out / "test_metrics.json").read_text())["BLEU-4"] == 0.125  # as scored
+    scores = json.loads((out / "test_metrics.json").read_text())
+    assert scores["BLEU-4"] == 0.125 and scores["images"] == 4  # as scored, and on how many
     # A checkpoint from before carving went by each image's id (no rule recorded) carved these
     # splits otherwise: its test images now may be ones it trained on. Refused in one error.
     state = torch.load(ckpt, weights_only=True)
