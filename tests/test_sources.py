@@ -150,6 +150,22 @@ def test_carving_goes_by_each_images_id_alone() -> None:
             .items()} == {"test": sorted(ids["test"], key=carving.carve_rank)[:5]}
 
 
+def test_too_few_val_images_to_carve_test_names_the_val_file_and_why(
+        tmp_path: Path, write_coco: Callable) -> None:
+    train = write_coco(tmp_path / "train.json", [(i, f"{i}.jpg") for i in range(10)],
+                       [(i, "a dog") for i in range(10)])
+    val = write_coco(tmp_path / "val.json", [(100 + i, f"v{i}.jpg") for i in range(3)], [])
+    source = CocoCaptions(train_annotations=str(train), train_images=str(tmp_path),
+                          val_annotations=str(val), val_images=str(tmp_path))
+    with pytest.raises(DataError) as e:
+        source.read(on_error="skip")
+    (problem,) = e.value.problems
+    assert (problem.file, problem.entry, problem.field) == (str(val), "(splits)", "test")
+    assert problem.message == (
+        "cannot carve test out of 0 val images (3 problems left entries out, the first: "
+        "images[0] (id 100): field 'annotations': image has no usable captions)")
+
+
 def test_a_checkpoint_carved_by_another_rule_is_refused_on_the_same_source_only() -> None:
     source = CocoCaptions(train_annotations="a/train.json", train_images="a/img")
     saved = {"source": source.config(), "batch_size": 8}

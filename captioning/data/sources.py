@@ -402,10 +402,13 @@ class CocoCaptions(DataSource):
         out = SourceRecords.merge(
             read_coco_captions(ann, images, split=split, on_error=on_error)  # type: ignore[arg-type]
             for split, (ann, images) in self.files.items() if ann is not None)
-        out.carved = self._carve_missing(out.splits)
+        out.carved = self._carve_missing(out.splits, out.problems)
         return out
 
-    def _carve_missing(self, by_split: dict[str, list[ImageRecord]]) -> tuple[str, ...]:
+    def _carve_missing(self, by_split: dict[str, list[ImageRecord]],
+                       problems: Sequence[Problem] = ()) -> tuple[str, ...]:
+        """Carve the missing splits (`carve`); DataError naming the file of the split carved
+        from, and the first of its entries left out as bad (`problems`), when it is too small."""
         if self.test_annotations is not None and self.val_annotations is not None:
             return ()
         if self.val_annotations is None:
@@ -416,8 +419,12 @@ class CocoCaptions(DataSource):
         pool = by_split[source]
         k = min(self.carve_size, len(pool) // 5)
         if k < 1:
-            raise ValueError(f"cannot carve {' and '.join(missing)} out of {len(pool)} "
-                             f"{source} images")
+            where = self.describe(source)
+            bad = [p for p in problems if p.file == where]
+            why = f"cannot carve {' and '.join(missing)} out of {len(pool)} {source} images" + (
+                f" ({len(bad)} problems left entries out, the first: {bad[0].entry}: field "
+                f"'{bad[0].field}': {bad[0].message})" if bad else "")
+            raise DataError([Problem(where, "(splits)", "/".join(missing), why)])
         by_split[source], carved = carve(pool, dict.fromkeys(missing, k))
         for split, records in carved.items():
             by_split[split] = [dataclasses.replace(r, split=split) for r in records]
