@@ -227,8 +227,23 @@ def test_config_file_mistakes_name_the_file(tmp_path: Path, capsys: pytest.Captu
     (tmp_path / "source.yaml").write_text("data:\n  source:\n    class_path: "
                                           "captioning.data.sources.ShapesSource\n"
                                           "    init_args:\n      rot: data/shapes\n")
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "comments.yaml").write_text("# only a comment\n")
+    (tmp_path / "list.yaml").write_text("- trainer\n")
+    (tmp_path / "value.yaml").write_text("model:\n  net:\n    embed_dim: sixtyfour\n")
     settings = "root, num_train, num_val, num_test, image_size, seed, boxes_path"
+    no_settings = ("no settings (an empty file, or comments only); a config is a YAML mapping "
+                   "such as `trainer:` / `model:` / `data:` sections")
     cases = [
+        (["--config", "empty.yaml"], f"error: empty.yaml: {no_settings}"),
+        (["--config", "comments.yaml"], f"error: comments.yaml: {no_settings}"),
+        (["--config", "list.yaml"],
+         "error: list.yaml: a config is a YAML mapping of settings, got a list"),
+        # A bad value from a file names the file, not a flag the user never typed.
+        (["--config", "ok.yaml", "--config", "value.yaml"],
+         "error: value.yaml: model.net.embed_dim: invalid value 'sixtyfour' (expected int)"),
+        (["--model.net.embed_dim", "sixtyfour"],
+         "error: --model.net.embed_dim: invalid value 'sixtyfour' (expected int)"),
         (["--config", "ok.yaml", "--config", "broken.yaml"],
          "error: broken.yaml: invalid YAML at line 4, column 1: expected the node content, but "
          "found '<stream end>' (while parsing a flow node at line 4, column 1)"),

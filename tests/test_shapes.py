@@ -93,7 +93,12 @@ def test_refuses_to_overwrite_foreign_directory(tmp_path: Path) -> None:
     root = tmp_path / "mine"
     root.mkdir()
     (root / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="refusing"):
+    with pytest.raises(FileExistsError, match=r"not a shapes dataset \(no manifest.json\)"):
+        generate_shapes(root, **TINY)
+    assert (root / "notes.txt").read_text() == "keep me"
+    (root / "manifest.json").write_text('{"seed": ')  # a truncated manifest: said so
+    with pytest.raises(FileExistsError, match=r"its manifest.json is unreadable \(damaged\?\); "
+                       "refusing to overwrite it: remove the folder"):
         generate_shapes(root, **TINY)
     assert (root / "notes.txt").read_text() == "keep me"
 

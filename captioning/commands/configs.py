@@ -82,7 +82,7 @@ def check_yaml(path: Path) -> Path:
 
     try:
         with open(path, encoding="utf-8") as f:
-            yaml.safe_load(f)
+            data = yaml.safe_load(f)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason})") from None
     except yaml.MarkedYAMLError as e:
@@ -97,7 +97,13 @@ def check_yaml(path: Path) -> Path:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
     except (ValueError, TypeError):
-        pass  # a value safe_load cannot build (`2024-02-30`), which --config reads as text
+        return path  # a value safe_load cannot build (`2024-02-30`), which --config reads as text
+    if data is None:
+        raise ConfigError(f"{path}: no settings (an empty file, or comments only); a config is "
+                          "a YAML mapping such as `trainer:` / `model:` / `data:` sections")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config is a YAML mapping of settings, got a "
+                          f"{type(data).__name__}")
     return path
 
 

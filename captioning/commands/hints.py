@@ -24,6 +24,7 @@ NO_GPU_HINT = ("no GPU is usable on this machine: use --config trainer/cpu or "
 RESTORED_PAST_MAX = re.compile(r"You restored a checkpoint with current_epoch=(\d+), but you "
                                r"have set Trainer\(max_epochs=(-?\d+)\)")
 #: jsonargparse's refusal of an unknown setting of a `class_path` (a data source, a logger).
+_INVALID_VALUE = re.compile(r'^\s*Parser key "([^"]+)"')
 _NOT_ACCEPTED = re.compile(r"Parser key \"([\w.]+)\":.*?class_path '([\w.]+)':\s*"
                            r"Option '([\w.]+)' is not accepted", re.S)
 _UNKNOWN = (re.compile(r"^Subcommand '[\w-]+' does not accept option '([\w.-]+)'"),
@@ -126,6 +127,21 @@ def unknown_option_message(message: str, args: Sequence[str], keys: Iterable[str
         text = f"{where}: {text}"
     close = difflib.get_close_matches(key, list(keys), n=1)
     return f"{text}; did you mean {dashes}{close[0]}?" if close else text
+
+
+def invalid_value_message(message: str, args: Sequence[str]) -> str | None:
+    """jsonargparse's refusal of a value that a config file gave (no flag did), in one line
+    naming that file: `FILE: model.net.embed_dim: invalid value ...`; None otherwise."""
+    from captioning.commands.errors import parser_error_line
+
+    found = _INVALID_VALUE.match(message)
+    if found is None:
+        return None
+    key = found.group(1)
+    if any(a == f"--{key}" or a.startswith(f"--{key}=") for a in args):
+        return None
+    where = config_file_with(args, key)
+    return f"{where}: {parser_error_line(message).removeprefix('--')}" if where else None
 
 
 def not_accepted_message(message: str, args: Sequence[str]) -> str | None:

@@ -53,6 +53,7 @@ from captioning.commands.hints import (
     EVALUATING,
     checkpoint_epochs,
     config_file_with,
+    invalid_value_message,
     max_epochs_message,
     no_gpu_message,
     no_weights_message,
@@ -145,7 +146,8 @@ class CaptioningCLI(LightningCLI):
             self.config = parser.parse_args(args)
         except argparse.ArgumentError as e:
             better = unknown_option_message(str(e), list(args or []), self._known_keys(args)) \
-                or not_accepted_message(str(e), list(args or []))
+                or not_accepted_message(str(e), list(args or [])) \
+                or invalid_value_message(str(e), list(args or []))
             if better is None:
                 raise
             raise argparse.ArgumentError(None, better) from None
