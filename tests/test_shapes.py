@@ -97,8 +97,7 @@ def test_refuses_to_overwrite_foreign_directory(tmp_path: Path) -> None:
         generate_shapes(root, **TINY)
     assert (root / "notes.txt").read_text() == "keep me"
     (root / "manifest.json").write_text('{"seed": ')  # a truncated manifest: said so
-    with pytest.raises(FileExistsError, match=r"its manifest.json is unreadable \(damaged\?\); "
-                       "refusing to overwrite it: remove the folder"):
+    with pytest.raises(FileExistsError, match=r"its manifest\.json is unreadable, perhaps damaged"):
         generate_shapes(root, **TINY)
     assert (root / "notes.txt").read_text() == "keep me"
 

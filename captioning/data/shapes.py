@@ -422,8 +422,8 @@ def _check_replaceable(root: Path) -> None:
     if root.exists() and not root.is_dir():
         raise FileExistsError(f"{root} exists and is not a directory")
     if root.is_dir() and any(root.iterdir()) and _read_manifest(root) is None:
-        why = (f"its {MANIFEST_FILE} is unreadable (damaged?)" if (root / MANIFEST_FILE).exists()
-               else f"no {MANIFEST_FILE}")
+        why = (f"its {MANIFEST_FILE} is unreadable, perhaps damaged"
+               if (root / MANIFEST_FILE).exists() else f"no {MANIFEST_FILE}")
         raise FileExistsError(
             f"{root} is not empty and is not a shapes dataset ({why}); refusing to overwrite "
             "it: remove the folder to generate the dataset there, or give another root")
