@@ -610,3 +610,17 @@ def test_decoding_on_the_native_path_equals_off(monkeypatch: pytest.MonkeyPatch)
         torch.testing.assert_close(a.scores, b.scores, rtol=1e-5, atol=1e-5)
     for a, b in zip(off_grads, fast_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_build_goes_under_torch_extensions_dir(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the README says (and torch's own builds do): `make` sets it to .cache/ in the
+    checkout; without it, torch's per-user folder."""
+    from torch.utils import cpp_extension
+
+    from captioning.models.native import extensions_root
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert extensions_root() == tmp_path
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert extensions_root() == Path(cpp_extension.get_default_build_root())

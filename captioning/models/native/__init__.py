@@ -97,6 +97,13 @@ def _ninja_on_path() -> Iterator[None]:
             os.environ["PATH"] = old
 
 
+def extensions_root() -> Path:
+    """torch's extension folder: `$TORCH_EXTENSIONS_DIR`, else its per-user default."""
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
 def build(build_root: Path | None = None) -> None:
     """Compile (or find compiled) and load the kernels into `torch.ops.captioning_native`."""
     cpp_log = logging.getLogger("torch.utils.cpp_extension")
@@ -107,7 +114,7 @@ def build(build_root: Path | None = None) -> None:
     finally:
         cpp_log.setLevel(level)
     name, flags = build_flags()
-    root = Path(build_root or cpp_extension.get_default_build_root())
+    root = Path(build_root or extensions_root())
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob(f"{name}*.so")):
