@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from captioning.data.problems import Problem
 from captioning.data.readers import ImageRecord
 
-if TYPE_CHECKING:
-    from captioning.data.sources import DataSource
+
+class Described(Protocol):
+    """What `carving_problem` reads of a data source (`sources.DataSource` has both)."""
+
+    def config(self) -> dict[str, Any]: ...
+
+    def describe(self, split: str) -> str: ...
 
 #: How `carve` chooses images; a checkpoint records it (`CaptioningModule`), and evaluating
 #: a checkpoint whose run carved the same source another way is refused (`carving_problem`).
@@ -42,7 +47,7 @@ def carve(records: list[ImageRecord], sizes: Mapping[str, int]
     return [r for r in records if id(r) not in chosen], carved
 
 
-def carving_problem(saved: Mapping[str, Any] | None, rule: Any, source: DataSource,
+def carving_problem(saved: Mapping[str, Any] | None, rule: Any, source: Described,
                     carved: Sequence[str]) -> Problem | None:
     """Why a checkpoint must not be used with `source`'s carved splits: its run read the same
     source (`saved`: its data module's hyperparameters) but carved it by another `rule` (the
