@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -210,14 +210,24 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def die_with_parent() -> None:
-    """In a child process (`Popen(preexec_fn=...)`): receive SIGTERM when the parent dies, even
-    by SIGKILL, so that no orphan runs on in a folder the next run takes (Linux; elsewhere
-    nothing)."""
+def die_with_parent() -> Callable[[], None] | None:
+    """A `Popen(preexec_fn=...)` by which the child receives SIGTERM when this process dies,
+    even by SIGKILL, so that no orphan runs on in a folder the next run takes; a parent gone
+    before that took hold ends the child at once. None off Linux. (`prctl` is looked up here,
+    in the parent: loading a library in a forked child can hang.)"""
     if not sys.platform.startswith("linux"):
-        return
+        return None
     import ctypes
 
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec

@@ -261,7 +261,7 @@ def test_a_cell_still_running_keeps_its_folder_and_dies_with_its_parent(
         "import subprocess, sys, time\n"
         "from captioning.locks import die_with_parent\n"
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
-        " preexec_fn=die_with_parent)\n"
+        " preexec_fn=die_with_parent())\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())

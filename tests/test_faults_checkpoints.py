@@ -426,7 +426,7 @@ def test_evaluation_scores_with_the_checkpoints_own_vocabulary(
 
 def test_a_new_fit_in_a_used_run_folder_sets_the_earlier_checkpoints_aside(
         shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
     # Row: the same `fit` again without --ckpt_path overwrote the earlier run's last.ckpt (an
     # interrupted run's whole training) with a fresh run's first epoch.
     ckpt = tmp_path / "ckpt"
@@ -447,6 +447,9 @@ def test_a_new_fit_in_a_used_run_folder_sets_the_earlier_checkpoints_aside(
     assert sorted(p.name for p in tmp_path.glob("ckpt*")) == [
         "ckpt", "ckpt.previous", "ckpt.previous-2"]
     assert first != resumed
+    # A new stage started from a checkpoint among those it would set aside: refused, not lost.
+    assert main(["fit", "--config", str(cfg), "--model.init_from", str(ckpt / "last.ckpt")]) == 2
+    assert "lies in" in capsys.readouterr().err and (ckpt / "last.ckpt").is_file()
 
 
 def test_ckpt_path_run_folder_means_its_checkpoints_last_ckpt(

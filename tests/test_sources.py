@@ -119,6 +119,8 @@ def test_skip_counts_come_from_the_source(tmp_path: Path, write_coco: Callable) 
 def test_coco_carves_test_out_of_val_and_honours_carve_size(shapes_root: Path) -> None:
     got = _coco(shapes_root, "train", "val").read()
     assert [len(got.splits[s]) for s in ("train", "val", "test")] == [24, 7, 1]  # 8 // 5
+    assert got.carved == ()  # out of val: no training image is involved (nor a checkpoint's)
+    assert _coco(shapes_root, "train").read().carved == ("val", "test")
     assert {r.split for r in got.splits["test"]} == {"test"}
     small = _coco(shapes_root, "train", carve_size=2).read()
     assert [len(small.splits[s]) for s in ("train", "val", "test")] == [20, 2, 2]

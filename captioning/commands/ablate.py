@@ -277,7 +277,7 @@ def run_child(args: Sequence[str], log_path: Path) -> tuple[int, float]:
     start = time.perf_counter()
     with open(log_path, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=die_with_parent)  # no orphan if the parent dies
+                                preexec_fn=die_with_parent())  # no orphan if it dies
         try:
             returncode = proc.wait()
         except BaseException as e:

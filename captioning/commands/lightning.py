@@ -358,7 +358,7 @@ class CaptioningCLI(LightningCLI):
             # before anything is written there (init_from's vocabulary).
             self._claims.enter_context(claim_folder(root))
         if self.subcommand == "fit" and not cfg.get("ckpt_path") and rank_zero_only.rank == 0:
-            _set_aside_earlier_checkpoints(cfg.get("trainer", {}))
+            _set_aside_earlier_checkpoints(cfg.get("trainer", {}), cfg.get("model.init_from"))
         self._use_checkpoint_vocab(cfg)
         self._apply_init_from()
         logger = cfg.get("trainer", {}).get("logger")
@@ -371,16 +371,29 @@ class CaptioningCLI(LightningCLI):
                     Path(v).mkdir(parents=True, exist_ok=True)
 
 
-def _set_aside_earlier_checkpoints(trainer: dict[str, Any]) -> None:
-    """A new fit (no `--ckpt_path`): the checkpoints an earlier run left in this run's folders
-    move aside (`run_folder.set_aside_checkpoints`), so that none is overwritten."""
-    root = Path(str(trainer.get("default_root_dir") or "."))
+def _set_aside_earlier_checkpoints(trainer: dict[str, Any], init_from: Any = None) -> None:
+    """A new fit (no `--ckpt_path`) in a run folder (`default_root_dir`): the checkpoints an
+    earlier run left in its checkpoint folders move aside (`run_folder.set_aside_checkpoints`),
+    so that none is overwritten. A folder holding the run folder or the current one is never
+    moved; `init_from` inside a folder to move is refused (the run needs its own folder)."""
+    if not trainer.get("default_root_dir"):
+        return
+    root = Path(str(trainer["default_root_dir"])).resolve()
     folders = [f.folder for f in checkpoint_folders(trainer)] + [root / RUN_CHECKPOINTS]
-    for folder in dict.fromkeys(folders):
+    start = Path(str(init_from)).resolve() if init_from else None
+    for folder in dict.fromkeys(f.resolve() for f in folders):
+        if folder in (root, Path.cwd()) or folder in root.parents or folder in Path.cwd().parents:
+            continue
+        if start is not None and folder in start.parents and any(folder.glob("*.ckpt")):
+            raise ConfigError(
+                f"model.init_from {init_from} lies in {folder}, which holds an earlier run's "
+                "checkpoints that a new fit sets aside: give this run its own run folder "
+                "(--trainer.default_root_dir DIR)")
         moved = set_aside_checkpoints(folder)
         if moved is not None:
             log.warning("a new fit (no --ckpt_path) in a used run folder: moved the earlier "
-                        "run's checkpoints to %s (to resume a run, pass --ckpt_path last)", moved)
+                        "run's checkpoints to %s (move it back to resume that run with "
+                        "--ckpt_path last)", moved)
 
 
 def lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> CaptioningCLI:

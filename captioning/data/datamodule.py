@@ -165,7 +165,7 @@ class CaptionDataModule(L.LightningDataModule):
         self._cache_device: Any = None
 
         self.skipped: dict[str, int] = {"captions": 0, "images": 0, "image_files": 0}
-        self.carved: tuple[str, ...] = ()  # the splits the source carved out of another
+        self.carved: tuple[str, ...] = ()  # the splits carved out of the training images
         self.problems: list[Problem] = []
         self._records: dict[str, list[ImageRecord]] | None = None
         self._vocab: Vocabulary | None = None

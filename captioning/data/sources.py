@@ -193,7 +193,7 @@ class SourceRecords:
     problems: list[Problem] = field(default_factory=list)
     skipped_images: int = 0
     skipped_captions: int = 0
-    carved: tuple[str, ...] = ()  # the splits carved out of another (`carve`)
+    carved: tuple[str, ...] = ()  # the splits carved out of the training images (`carve`)
 
     @classmethod
     def merge(cls, parts: Iterable[Records]) -> SourceRecords:
@@ -407,8 +407,9 @@ class CocoCaptions(DataSource):
 
     def _carve_missing(self, by_split: dict[str, list[ImageRecord]],
                        problems: Sequence[Problem] = ()) -> tuple[str, ...]:
-        """Carve the missing splits (`carve`); DataError naming the file of the split carved
-        from, and the first of its entries left out as bad (`problems`), when it is too small."""
+        """Carve the missing splits (`carve`); returns those carved out of the training images.
+        DataError naming the file of the split carved from, and the first of its entries left
+        out as bad (`problems`), when it is too small."""
         if self.test_annotations is not None and self.val_annotations is not None:
             return ()
         if self.val_annotations is None:
@@ -429,7 +430,7 @@ class CocoCaptions(DataSource):
         for split, records in carved.items():
             by_split[split] = [dataclasses.replace(r, split=split) for r in records]
             log.info("carved %d %s images out of %s", len(records), split, source)
-        return tuple(missing)
+        return tuple(missing) if source == "train" else ()  # out of val: no training image
 
     def cache_root(self) -> Path:
         return Path(self.train_annotations).parent / CACHE_FOLDER
