@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 CHECKPOINT_VOCAB_KEY = "captioning_vocab"
 CHECKPOINT_CONFIG_KEY = "captioning_model_config"
 CHECKPOINT_RNG_KEY = "captioning_rng_states"
-CHECKPOINT_CARVING_KEY = "captioning_carving"  # the rule that carved val/test (sources.CARVING)
 #: Prefix of the captioner's weights in the checkpoint's "state_dict".
 STATE_PREFIX = "captioner."
 INFERENCE_FORMAT = "captioning-inference"

@@ -65,6 +65,20 @@ def ranked_captions(texts: list[str], scores: list[float], k: int) -> list[list[
             for i in range(len(texts) // k)]
 
 
+def predictions(gen: Generation, vocab: Vocabulary) -> dict[str, Any]:
+    """Each image's first caption (its best beam, or first sample): `words`, `captions`,
+    `scores` and its `generation` (α maps); with k > 1 captions an image, all k as
+    `alternatives` (`ranked_captions`). What `captioning predict` writes."""
+    k = gen.per_image  # rows i·k .. i·k + k - 1 are image i's, best first for beams
+    words, texts = caption_words(gen, vocab)
+    scores = gen.scores.tolist()
+    out = {"words": words[::k], "captions": texts[::k], "scores": scores[::k],
+           "generation": gen.first_per_image()}
+    if k > 1:
+        out["alternatives"] = ranked_captions(texts, scores, k)
+    return out
+
+
 def to_results(gen: Generation, vocab: Vocabulary, image_ids: list[Any],
                references: list[list[str]] | None = None) -> EvalResults:
     """Decoded words, captions, α maps and scores per image id (one decoded row per image)."""

@@ -16,9 +16,8 @@ from torch import Tensor
 from captioning import checkpoint as ckpt
 from captioning import evaluation
 from captioning.callbacks.gumbel import GumbelTemperature
-from captioning.data.carving import CARVING, carving_problem
+from captioning.data.carving import CARVING, CARVING_KEY, check_carving
 from captioning.data.features import attach_feature_cache
-from captioning.data.problems import DataError
 from captioning.distributed import broadcast_object
 from captioning.evaluation import EvalResults, compute_metrics, gather, to_results, write_results
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
@@ -99,9 +98,8 @@ class CaptioningModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         vocab = getattr(dm, "vocab", None)
         if vocab is not None and len(vocab) != self.net_config.vocab_size:
-            raise ValueError(
-                f"vocabulary has {len(vocab)} words but the model was built for "
-                f"{self.net_config.vocab_size}; rebuild the model or use the matching vocab")
+            raise ValueError(f"vocabulary has {len(vocab)} words but the model was built for "
+                             f"{self.net_config.vocab_size}; rebuild the model or use its vocab")
         self.vocab = self.vocab if vocab is None else vocab
         self.objective.attach(dm)  # SCST's reward reads the training references
         if getattr(dm, "feature_cache", False) and not self.net_config.finetune_encoder:
@@ -123,32 +121,19 @@ class CaptioningModule(L.LightningModule):
             checkpoint[ckpt.CHECKPOINT_VOCAB_KEY] = self.vocab.to_dict()
         checkpoint[ckpt.CHECKPOINT_CONFIG_KEY] = self.net_config.to_dict()
         checkpoint[ckpt.CHECKPOINT_RNG_KEY] = ckpt.rng_states()
-        checkpoint[ckpt.CHECKPOINT_CARVING_KEY] = CARVING
-
-    def _check_carving(self, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint whose run carved this data source's val/test by another rule is
-        refused: the splits carved now may hold images it trained on."""
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if dm is None or not hasattr(dm, "carved"):
-            return
-        problem = carving_problem(checkpoint.get("datamodule_hyper_parameters"),
-                                  checkpoint.get(ckpt.CHECKPOINT_CARVING_KEY), dm.source,
-                                  dm.carved)
-        if problem is not None:
-            raise DataError([problem])
+        checkpoint[CARVING_KEY] = CARVING
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = self.state_dict()
+        state, trainer = self.state_dict(), getattr(self, "_trainer", None)
         ckpt.upgrade(checkpoint, own_keys=set(state))
         ckpt.check_fits(checkpoint, state=state, config=self.net_config, vocab=self.vocab,
                         strict=getattr(self, "strict_loading", True))
-        self._check_carving(checkpoint)
+        check_carving(checkpoint, getattr(trainer, "datamodule", None))  # test: no train image
         if ckpt.CHECKPOINT_VOCAB_KEY in checkpoint:
             self.vocab = Vocabulary.from_dict(checkpoint[ckpt.CHECKPOINT_VOCAB_KEY])
         self._refresh_feature_cache(checkpoint)
         # Resuming a fit: continue the random streams (dropout, hard-attention sampling, loader
         # seeds) where the checkpoint left them, before the fit loop makes its first iterator.
-        trainer = getattr(self, "_trainer", None)
         rng = checkpoint.get(ckpt.CHECKPOINT_RNG_KEY)
         if rng is not None and trainer is not None and trainer.state.fn == "fit":
             ckpt.set_rng_states(rng)
@@ -246,8 +231,7 @@ class CaptioningModule(L.LightningModule):
 
     # -- evaluation --------------------------------------------------------------------------
     def generate(self, images: Tensor) -> Generation:
-        """Decode with the model's `decode` settings, one caption per image (the best beam or
-        first sample when `decode.num_captions` > 1): the path of val, test and overlays."""
+        """One caption per image by `decode` (the first of `num_captions`): val, test, overlays."""
         return self.captioner.generate(images, self.decode).first_per_image()
 
     def _eval_step(self, batch: Any, prefix: str) -> None:
@@ -268,18 +252,10 @@ class CaptioningModule(L.LightningModule):
         self._eval_step(batch, "test")
 
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        """Captions of a `captioning.data.predict` batch (for `callbacks.CaptionWriter`): each
-        image's first caption (its best beam, or first sample) with its words and α maps, and
-        with `decode.num_captions` k > 1 all k as `alternatives` (caption and score)."""
-        full = self.captioner.generate(batch.images, self.decode)
-        k = full.per_image  # rows i·k .. i·k + k - 1 are image i's, best first for beams
-        words, texts = evaluation.caption_words(full, self.vocab)
-        scores = full.scores.tolist()
-        out = {"indices": batch.indices, "paths": batch.paths, "words": words[::k],
-               "captions": texts[::k], "scores": scores[::k], "generation": full.first_per_image()}
-        if k > 1:
-            out["alternatives"] = evaluation.ranked_captions(texts, scores, k)
-        return out
+        """A `captioning.data.predict` batch's captions (`evaluation.predictions`)."""
+        gen = self.captioner.generate(batch.images, self.decode)
+        return {"indices": batch.indices, "paths": batch.paths,
+                **evaluation.predictions(gen, self.vocab)}
 
     def on_validation_epoch_start(self) -> None:
         self._pending = EvalResults()

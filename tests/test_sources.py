@@ -178,6 +178,9 @@ def test_a_checkpoint_carved_by_another_rule_is_refused_on_the_same_source_only(
     assert carving.carving_problem(saved, None, source, ()) is None  # nothing carved now
     other = CocoCaptions(train_annotations="b/train.json", train_images="b/img")
     assert carving.carving_problem(saved, None, other, ("val", "test")) is None
+    spelled = CocoCaptions(train_annotations=str(Path("a/train.json").resolve()),
+                           train_images="a/img", carve_size=100)  # the same file, other args
+    assert carving.carving_problem(saved, None, spelled, ("val", "test")) is not None
     assert carving.carving_problem(None, None, source, ("val", "test")) is None
 
 

@@ -8,20 +8,21 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from captioning.data.problems import Problem
+from captioning.data.problems import DataError, Problem
 from captioning.data.readers import ImageRecord
 
 
 class Described(Protocol):
     """What `carving_problem` reads of a data source (`sources.DataSource` has both)."""
 
-    def config(self) -> dict[str, Any]: ...
+    def same_data(self, config: Any) -> bool: ...
 
     def describe(self, split: str) -> str: ...
 
 #: How `carve` chooses images; a checkpoint records it (`CaptioningModule`), and evaluating
 #: a checkpoint whose run carved the same source another way is refused (`carving_problem`).
 CARVING = 2
+CARVING_KEY = "captioning_carving"  # where a checkpoint records it
 
 
 def carve_rank(image_id: Any) -> tuple[bytes, str]:
@@ -53,7 +54,7 @@ def carving_problem(saved: Mapping[str, Any] | None, rule: Any, source: Describe
     source (`saved`: its data module's hyperparameters) but carved it by another `rule` (the
     checkpoint's `CARVING`, None before it was recorded), so the splits carved now may hold
     images it trained on. None when nothing stands against it."""
-    if not carved or not isinstance(saved, Mapping) or saved.get("source") != source.config():
+    if not carved or not isinstance(saved, Mapping) or not source.same_data(saved.get("source")):
         return None
     if rule == CARVING:
         return None
@@ -61,3 +62,13 @@ def carving_problem(saved: Mapping[str, Any] | None, rule: Any, source: Describe
                    "the checkpoint's run carved these splits out by an earlier rule, so the "
                    "images carved now may include images it trained on: use the version of "
                    "captioning that trained it, or give the source its own val and test files")
+
+
+def check_carving(checkpoint: Mapping[str, Any], datamodule: Any) -> None:
+    """Raise `carving_problem` (DataError) for a data module (one with `source` and `carved`)
+    about to be used with a checkpoint (a Lightning one records its data module's settings)."""
+    source, carved = getattr(datamodule, "source", None), getattr(datamodule, "carved", ())
+    problem = None if source is None else carving_problem(
+        checkpoint.get("datamodule_hyper_parameters"), checkpoint.get(CARVING_KEY), source, carved)
+    if problem is not None:
+        raise DataError([problem])

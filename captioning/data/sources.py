@@ -23,13 +23,12 @@ LightningCLI config a source is given by class path:
 from __future__ import annotations
 
 import abc
-import dataclasses
 import importlib
 import inspect
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +267,18 @@ class DataSource(abc.ABC):
             raise ValueError(f"{config['class_path']} is not a DataSource")
         return cls(**dict(config.get("init_args") or {}))
 
+    def same_data(self, config: Any) -> bool:
+        """Whether a saved `config()` reads this source's data: equal, or of this class with
+        its training annotations at the same place (however spelled)."""
+        if config == self.config():
+            return True
+        try:
+            other = DataSource.from_config(config)
+        except (ValueError, TypeError, KeyError, ImportError, AttributeError):
+            return False
+        same = os.path.realpath(other.describe("train")) == os.path.realpath(self.describe("train"))
+        return type(other) is type(self) and same
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DataSource):
             return NotImplemented
@@ -428,7 +439,7 @@ class CocoCaptions(DataSource):
             raise DataError([Problem(where, "(splits)", "/".join(missing), why)])
         by_split[source], carved = carve(pool, dict.fromkeys(missing, k))
         for split, records in carved.items():
-            by_split[split] = [dataclasses.replace(r, split=split) for r in records]
+            by_split[split] = [replace(r, split=split) for r in records]
             log.info("carved %d %s images out of %s", len(records), split, source)
         return tuple(missing) if source == "train" else ()  # out of val: no training image
 
