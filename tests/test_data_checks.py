@@ -183,3 +183,23 @@ def test_header_check_decodes_no_pixels(tmp_path: Path,
     monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
     assert check_image(png) == (300, 200)
     assert check_image(jpg) == (20, 40)  # orientation 6: width and height swap
+
+
+def test_a_wrong_image_folder_is_named_first(tmp_path: Path,
+                                             write_karpathy: Callable[..., Path]) -> None:
+    """Where none of a split's images exists, the first problem is the setting that names the
+    folder they were looked for in (a wrong image_root), before the missing files."""
+    split_file = write_karpathy(tmp_path / "dataset_flickr8k.json", [
+        {"id": i, "filename": f"{i}.jpg", "split": "train", "captions": ["a dog runs"]}
+        for i in range(3)], layout="flickr")
+    wrong = tmp_path / "Flicker8k_Dataset"
+    dm = CaptionDataModule(source=KarpathySplits(split_file=str(split_file),
+                                                 image_root=str(wrong)), min_word_count=1)
+    with pytest.raises(DataError) as e:
+        dm.setup("fit")
+    first, *missing = e.value.problems
+    assert (first.file, first.entry, first.field) == (str(wrong), "(folder)",
+                                                      "data.source.image_root")
+    assert first.message == ("none of the 3 train images exists under it: pass "
+                             "--data.source.image_root with the folder that holds them")
+    assert [p.field for p in missing] == ["image"] * 3

@@ -265,7 +265,7 @@ class CaptionDataModule(L.LightningDataModule):
         records = self._load_records()[split]
         t0 = time.perf_counter()
         reasons = image_problems([r.path for r in records])
-        bad = bad_images(records, reasons, split)
+        bad = bad_images(records, reasons, split, self.source.config()["init_args"])
         log.info("checked %d %s images in %.1fs (%d bad)", len(records), split,
                  time.perf_counter() - t0, len(bad))
         if bad:

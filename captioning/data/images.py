@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from captioning.data.problems import MISSING
+
 log = logging.getLogger(__name__)
 
 #: Colour that transparent pixels are composited over (every alpha mode uses the same one).
@@ -67,7 +69,7 @@ def _precheck(path: Path) -> None:
     try:
         st = path.stat()
     except FileNotFoundError:
-        raise ImageLoadError(path, "file does not exist") from None
+        raise ImageLoadError(path, MISSING) from None
     except OSError as e:
         raise ImageLoadError(path, f"cannot access file ({e.strerror or e})") from e
     except ValueError as e:  # "embedded null byte": no file can have this name

@@ -6,21 +6,35 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from captioning.data.images import image_problems
-from captioning.data.problems import DataError, Problem, naming_settings
+from captioning.data.problems import MISSING, DataError, Problem, naming_settings
 from captioning.data.readers import DATA_SPLITS, ImageRecord, OnError, split_overlaps
 from captioning.data.sources import DataSource, SourceRecords
 
 log = logging.getLogger(__name__)
 
 
-def bad_images(records: Sequence[ImageRecord], reasons: Sequence[str | None],
-               split: str) -> list[Problem]:
-    """The problems of the images that `image_problems` found bad (`reasons`)."""
-    return [Problem(str(r.path), f"{split} image {r.image_id!r}", "image", why)
-            for r, why in zip(records, reasons) if why is not None]
+def bad_images(records: Sequence[ImageRecord], reasons: Sequence[str | None], split: str,
+               settings: Mapping[str, Any] | None = None) -> list[Problem]:
+    """The problems of the images that `image_problems` found bad (`reasons`). Where none of
+    several images exists, first the source setting (of `settings`, its init_args) naming the
+    folder they were looked for in: most likely the wrong folder."""
+    bad = [Problem(str(r.path), f"{split} image {r.image_id!r}", "image", why)
+           for r, why in zip(records, reasons) if why is not None]
+    if len(records) < 2 or any(why != MISSING for why in reasons):
+        return bad
+    folders = {k: Path(v) for k, v in (settings or {}).items() if isinstance(v, str) and v}
+    key = next((k for k, v in folders.items()
+                if all(v in Path(r.path).parents for r in records)), None)
+    if key is None:
+        return bad
+    return [Problem(str(folders[key]), "(folder)", f"data.source.{key}",
+                    f"none of the {len(records)} {split} images exists under it: pass "
+                    f"--data.source.{key} with the folder that holds them"), *bad]
 
 
 def read_source(source: DataSource, on_bad_data: OnError, *,
@@ -45,7 +59,8 @@ def read_source(source: DataSource, on_bad_data: OnError, *,
                      "too, to list every problem at once", len(read.problems))
             for split in DATA_SPLITS:
                 records = read.splits.get(split, [])
-                images += bad_images(records, image_problems([r.path for r in records]), split)
+                images += bad_images(records, image_problems([r.path for r in records]), split,
+                                     source.config()["init_args"])
             log.info("checked the images in %.1fs", time.perf_counter() - t0)
         raise DataError([*read.problems, *leaks, *images])
     if leaks:
