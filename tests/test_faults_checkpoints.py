@@ -452,6 +452,27 @@ def test_a_new_fit_in_a_used_run_folder_sets_the_earlier_checkpoints_aside(
     assert "lies in" in capsys.readouterr().err and (ckpt / "last.ckpt").is_file()
 
 
+def test_the_run_folder_stays_held_while_the_caller_holds_the_claims(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path) -> None:
+    """`ablate`'s cell tests after its fit: with `claims`, the run folder is held until the
+    caller closes them, so that a re-run cannot remove the folder between fit and test."""
+    import contextlib
+
+    from captioning.commands.lightning import lightning_cli
+    from captioning.locks import FolderInUseError, claim_folder
+
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    with contextlib.ExitStack() as claims:
+        lightning_cli(["fit", "--config", str(cfg)], claims=claims)
+        with pytest.raises(FolderInUseError), claim_folder(tmp_path):
+            pass
+    with claim_folder(tmp_path):  # free once closed
+        pass
+    lightning_cli(["fit", "--config", str(cfg)])  # without: free on return
+    with claim_folder(tmp_path):
+        pass
+
+
 def test_ckpt_path_run_folder_means_its_checkpoints_last_ckpt(
         shapes_dm_kwargs: dict, cache_dir: Path, run: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ unfinished cell starts over). A failed cell is retried on the next run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -219,21 +220,27 @@ def run_cell(run_dir: Path) -> int:
 
     spec = json.loads((run_dir / CELL_FILE).read_text())
     start = time.perf_counter()
-    cli = lightning_cli(spec["args"])
-    train_seconds = time.perf_counter() - start
-    trainer, model = cli.trainer, cli.model
-    val = dict(model.val_results.metrics)
-    ckpt = trainer.checkpoint_callback
-    best = ckpt.best_model_path if ckpt is not None and ckpt.best_model_path else None
-    trainer.test(model, datamodule=cli.datamodule, ckpt_path=best, weights_only=True)
-    results = model.test_results
+    with contextlib.ExitStack() as claims:  # the cell's folder is its own until the result
+        cli = lightning_cli(spec["args"], claims=claims)
+        train_seconds = time.perf_counter() - start
+        trainer, model = cli.trainer, cli.model
+        val = dict(model.val_results.metrics)
+        ckpt = trainer.checkpoint_callback
+        best = ckpt.best_model_path if ckpt is not None and ckpt.best_model_path else None
+        trainer.test(model, datamodule=cli.datamodule, ckpt_path=best, weights_only=True)
+        results = model.test_results
+        _write_result(run_dir, spec, results, val, train_seconds, best)
+    return 0
+
+
+def _write_result(run_dir: Path, spec: dict[str, Any], results: Any, val: dict[str, Any],
+                  train_seconds: float, best: str | None) -> None:
     write_json_atomic(run_dir / RESULT_FILE, {
         "test": results.metrics, "val": val, "train_seconds": train_seconds,
         "alpha_entropy": None if math.isnan(entropy := alpha_entropy(results.alphas.values()))
         else entropy,  # JSON has no NaN: null, which the report reads as absent
         "checkpoint": best or "the final weights (no validation ran)",
         "config": spec["config"]}, indent=2)
-    return 0
 
 
 # -- the parent: cells in child processes, results.csv --------------------------------------------

@@ -396,14 +396,16 @@ def _set_aside_earlier_checkpoints(trainer: dict[str, Any], init_from: Any = Non
                         "--ckpt_path last)", moved)
 
 
-def lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> CaptioningCLI:
+def lightning_cli(args: Sequence[str] | None, *, run: bool = True,
+                  claims: contextlib.ExitStack | None = None) -> CaptioningCLI:
     """Build (and with `run`, run) the CLI on `args` (None: `sys.argv`). A config flag may name
     a shipped config (`--config paper_soft`). Parse errors raise `ArgumentError`, reported in
-    one line, instead of printing the usage and exiting."""
+    one line, instead of printing the usage and exiting. The run folder is held until the
+    command returns, or with `claims` until the caller closes that stack (a test after it)."""
     # No prefix matching: `--trainer.max_epoch 2` is an error, as the same key in YAML is.
     no_exit = {"exit_on_error": False, "allow_abbrev": False}
     args = resolve_config_args(sys.argv[1:] if args is None else args)
-    with contextlib.ExitStack() as claims:  # the run folder, held while the command runs
+    with contextlib.ExitStack() as own:  # the run folder, held while the command runs
         return CaptioningCLI(
             CaptioningModule,
             CaptionDataModule,
@@ -411,5 +413,5 @@ def lightning_cli(args: Sequence[str] | None, *, run: bool = True) -> Captioning
             parser_kwargs={**no_exit, **{c: dict(no_exit) for c in LIGHTNING_COMMANDS}},
             args=args,
             run=run,
-            claims=claims,
+            claims=own if claims is None else claims,
         )
