@@ -387,10 +387,16 @@ def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
     capsys.readouterr()
     assert main(["test", *configs, "--ckpt_path", str(tmp_path / "older.ckpt")]) == 1
     errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
-    assert errors == [f"error: {root / 'captions.jsonl'}: (splits): field 'val/test': the "
-                      "checkpoint's run carved these splits out by an earlier rule, so the "
-                      "images carved now may include images it trained on: use the version of "
-                      "captioning that trained it, or give the source its own val and test files"]
+    refusal = (f"error: {root / 'captions.jsonl'}: (splits): field 'val/test': the "
+               "checkpoint's run carved these splits out by an earlier rule, so the "
+               "images carved now may include images it trained on: use the version of "
+               "captioning that trained it, or give the source its own val and test files")
+    assert errors == [refusal]
+    # A new stage (SCST) started from it: the same refusal, before any step.
+    assert main(["fit", *configs, "--model.init_from", str(tmp_path / "older.ckpt"),
+                 "--trainer.default_root_dir", str(tmp_path / "stage2")]) == 1
+    assert [ln for ln in capsys.readouterr().err.splitlines()
+            if ln.startswith("error:")] == [refusal]
 
 
 def test_every_problem_of_the_data_is_listed_at_once(tmp_path: Path) -> None:

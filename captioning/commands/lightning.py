@@ -62,6 +62,7 @@ from captioning.commands.hints import (
     unknown_option_message,
     yaml_lookup,
 )
+from captioning.data.carving import CARVING_KEY, check_carving
 from captioning.data.datamodule import CaptionDataModule
 from captioning.lit_module import CaptioningModule
 from captioning.locks import claim_folder
@@ -315,8 +316,11 @@ class CaptioningCLI(LightningCLI):
         if not path or cfg.get("ckpt_path"):
             return
         loaded = load_checkpoint(path)  # the one safe reader: missing or unsafe -> one line
+        data = {} if Path(path).is_dir() else read_checkpoint(path, mmap=True)
         hp = read_config(Path(path) / CONFIG_FILE)[2] if Path(path).is_dir() else \
-            upgrade_hparams(read_checkpoint(path, mmap=True).get("hyper_parameters") or {})
+            upgrade_hparams(data.get("hyper_parameters") or {})
+        self._init_carving = {k: data[k] for k in ("datamodule_hyper_parameters", CARVING_KEY)
+                              if k in data}  # checked once the data module is built
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
         carried = {k: v for k, v in hp.items() if k not in (*INIT_FROM_KEEPS, "net", "decode")
                    and k in cfg["model"] and not given(raw, f"model.{k}")}
@@ -337,6 +341,9 @@ class CaptioningCLI(LightningCLI):
         if loaded is None:
             return
         self._init_from = None
+        if getattr(self, "_init_carving", None):  # its carving, once the data is read
+            self.datamodule.records("train")
+            check_carving(self._init_carving, self.datamodule)
         if self.datamodule.vocab != loaded.vocab:
             raise CheckpointError(
                 f"model.init_from {loaded.path}: its vocabulary ({len(loaded.vocab)} words) "
