@@ -35,9 +35,9 @@ def carve(records: list[ImageRecord], sizes: Mapping[str, int]
           ) -> tuple[list[ImageRecord], dict[str, list[ImageRecord]]]:
     """(the rest, {split: its carved records}): test takes the `sizes["test"]` records first in
     `carve_rank` order, val the next ones. An image's rank hangs on its own id only, so adding,
-    dropping or skipping other images moves at most as many images across a boundary, and
-    never a training image into test while the sizes stay: carved splits stay put between runs
-    whatever the file order, the data module's seed or the entries skipped."""
+    dropping or skipping other images moves at most as many images across a boundary, and with
+    the sizes kept a training image reaches test only when more carved images drop out than val
+    holds: carved splits stay put whatever the file order or the data module's seed."""
     ordered = sorted(records, key=lambda r: carve_rank(r.image_id))
     carved: dict[str, list[ImageRecord]] = {}
     start = 0
