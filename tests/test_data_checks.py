@@ -203,3 +203,22 @@ def test_a_wrong_image_folder_is_named_first(tmp_path: Path,
     assert first.message == ("none of the 3 train images exists under it: pass "
                              "--data.source.image_root with the folder that holds them")
     assert [p.field for p in missing] == ["image"] * 3
+
+
+def test_an_image_listed_twice_in_a_split_is_warned_of(
+        tmp_path: Path, write_karpathy: Callable[..., Path],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The same file under two ids in one split counts twice (in two splits it is an error,
+    `split_overlaps`): one warning a split names the file and both ids."""
+    from captioning.data.reading import read_source
+
+    specs = [{"id": i, "filename": f"{i % 3}.jpg", "split": "train", "captions": ["a dog"]}
+             for i in range(5)]  # 3.jpg and 4.jpg: the files of ids 0 and 1 again
+    split_file = write_karpathy(tmp_path / "dataset_flickr8k.json", specs, layout="flickr")
+    source = KarpathySplits(split_file=str(split_file), image_root=str(tmp_path))
+    with caplog.at_level("WARNING"):
+        read = read_source(source, "fail", validate_images=False)
+    assert len(read.splits["train"]) == 5
+    assert [r.getMessage() for r in caplog.records] == [
+        f"2 image files are listed twice in the train split under other ids (first: "
+        f"{tmp_path / '0.jpg'}, as 0 and 3); each listing counts as an image"]

@@ -5,6 +5,7 @@ names the source setting that gives it."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -51,6 +52,7 @@ def read_source(source: DataSource, on_bad_data: OnError, *,
         why = str(e).removeprefix(f"{where}: ")
         raise DataError([Problem(where, "(splits)", "val/test", why)]) from None
     leaks = split_overlaps(read.splits, source.describe)
+    warn_listed_twice(read.splits)
     if on_bad_data == "fail" and read.problems:
         images: list[Problem] = []
         if validate_images:
@@ -66,6 +68,24 @@ def read_source(source: DataSource, on_bad_data: OnError, *,
     if leaks:
         raise DataError(leaks)
     return read
+
+
+def warn_listed_twice(by_split: Mapping[str, Sequence[ImageRecord]]) -> dict[str, int]:
+    """Warn, once a split, of image files its records list under more than one id (each
+    listing then counts as an image: weighted twice in training, scored twice in test);
+    returns how many files each split lists twice."""
+    counts = {}
+    for split, records in by_split.items():
+        first: dict[str, ImageRecord] = {}
+        twice = [(first[k], r) for r in records
+                 if (k := os.path.normpath(r.path)) in first or first.setdefault(k, r) is not r]
+        if twice:
+            a, b = twice[0]
+            log.warning("%d image files are listed twice in the %s split under other ids "
+                        "(first: %s, as %r and %r); each listing counts as an image",
+                        len(twice), split, a.path, a.image_id, b.image_id)
+            counts[split] = len(twice)
+    return counts
 
 
 def _read(source: DataSource, on_bad_data: OnError) -> SourceRecords:
