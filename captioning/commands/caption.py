@@ -30,7 +30,6 @@ if TYPE_CHECKING:  # imported at run time only inside the command (fast start)
 
     from captioning.checkpoint import LoadedModel
     from captioning.models.captioner import DecodeConfig
-    from captioning.models.decoding import Generation
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +225,9 @@ def _caption_all(a: argparse.Namespace, model: LoadedModel, paths: list[Path],
         failed += len(batch.failures)
         if not batch.paths:
             continue
-        records, gen = _caption_batch(model, batch, device, settings)
+        records, pred = _caption_batch(model, batch, device, settings)
         if out_dir is not None:
-            failed += _write_overlays(model, batch, gen.first_per_image(), records, device,
+            failed += _write_overlays(model, batch, pred, records, device,
                                       [out_dir / names[i] for i in batch.indices])
         lines = [json.dumps(rec, ensure_ascii=False) for rec in records] if a.json else [
             f"{rec['path']}\t{c['caption']}" for rec in records
@@ -303,34 +302,34 @@ def _batches(paths: Sequence[Path], image_size: int, batch_size: int) -> Iterato
 
 
 def _caption_batch(model: LoadedModel, batch: _Batch, device: torch.device,
-                   settings: DecodeConfig) -> tuple[list[dict[str, Any]], Generation]:
-    """Decode one batch: one record per image (path, caption, score, tokens, finished)."""
+                   settings: DecodeConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Decode one batch: one record per image (path, caption, score, tokens, finished, and
+    with several captions an image, `captions`), and its `evaluation.predictions`."""
     import torch
 
-    from captioning.evaluation import caption_words, ranked_captions
+    from captioning.evaluation import predictions
 
     with torch.inference_mode():
         gen = model.captioner.generate(batch.images.to(device), settings)
-    _, texts = caption_words(gen, model.vocab)
-    scores, finished, k = gen.scores.tolist(), gen.finished.tolist(), gen.per_image
-    records = [{"path": str(path), "caption": texts[k * i], "score": scores[k * i],
-                "tokens": texts[k * i].split(), "finished": bool(finished[k * i])}
-               for i, path in enumerate(batch.paths)]
-    if k > 1:
-        for rec, ranked in zip(records, ranked_captions(texts, scores, k)):
-            rec["captions"] = ranked
-    return records, gen
+    pred = predictions(gen, model.vocab)
+    finished = pred["generation"].finished.tolist()
+    records = [{"path": str(path), "caption": c, "score": s, "tokens": c.split(),
+                "finished": bool(f)}
+               for path, c, s, f in zip(batch.paths, pred["captions"], pred["scores"], finished)]
+    for rec, ranked in zip(records, pred.get("alternatives", ())):
+        rec["captions"] = ranked
+    return records, pred
 
 
-def _write_overlays(model: LoadedModel, batch: _Batch, gen: Generation,
+def _write_overlays(model: LoadedModel, batch: _Batch, pred: dict[str, Any],
                     records: list[dict[str, Any]], device: torch.device,
                     targets: Sequence[Path]) -> int:
-    """One strip per image: the α map of every emitted word (hard models mark the location).
-    Returns the number of strips that could not be written (each reported on stderr)."""
-    from captioning.evaluation import caption_words
+    """One strip per image, of its first caption (`evaluation.predictions`): the α map of
+    every emitted word (hard models mark the location). Returns the number of strips that
+    could not be written (each reported on stderr)."""
     from captioning.viz import caption_strips, save_strip_png
 
-    words, _ = caption_words(gen, model.vocab)  # word t is drawn over α_t
+    gen, words = pred["generation"], pred["words"]  # word t is drawn over α_t
     hard = model.config.attention == "hard"
     _, strips = caption_strips(batch.images.to(device), gen.alphas, model.captioner.grid, words,
                                points=gen.locations if hard else None)
