@@ -135,9 +135,8 @@ def match_results(results: str | Path, records: Sequence[ImageRecord], *,
     first: dict[Any, int] = {}
     for i, entry in enumerate(entries):
         key, field, why = _entry_problem(entry)
-        name = f"[{i}] ({key} {entry[key]!r})" if key is not None else \
-            f"[{i}] (image_id {entry['image_id']!r})" if field == "image_id" and \
-            isinstance(entry, dict) and "image_id" in entry else f"[{i}]"
+        named = next((k for k in KEYS if isinstance(entry, dict) and k in entry), None)
+        name = f"[{i}]" if named is None else f"[{i}] ({named} {entry[named]!r})"
         record = None
         if why is None:
             record, why = index.find(key, entry[key])

@@ -77,8 +77,11 @@ def warn_listed_twice(by_split: Mapping[str, Sequence[ImageRecord]]) -> dict[str
     counts = {}
     for split, records in by_split.items():
         first: dict[str, ImageRecord] = {}
-        twice = [(first[k], r) for r in records
-                 if (k := os.path.normpath(r.path)) in first or first.setdefault(k, r) is not r]
+        twice = []
+        for r in records:
+            seen = first.setdefault(os.path.normpath(r.path), r)
+            if seen is not r:
+                twice.append((seen, r))
         if twice:
             a, b = twice[0]
             log.warning("%d image files are listed twice in the %s split under other ids "
