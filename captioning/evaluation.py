@@ -8,7 +8,6 @@ attention maps; the LightningModule, the overlay callback and the `caption` comm
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from captioning.atomic import write_json_atomic
 from captioning.distributed import all_gather_objects, is_distributed
 from captioning.locks import sigterm_raises
 from captioning.models.decoding import Generation
+from captioning.run_folder import aside_path, next_aside
 from captioning.vocab import Vocabulary
 
 if TYPE_CHECKING:  # the data sources' object boxes (captioning.data.sources)
@@ -166,18 +166,8 @@ def set_aside_results(folder: str | Path, split: str, rank_zero: bool = True) ->
     present = [old for old in results_files(folder, split) if old.is_file()]
     if not rank_zero or not present:
         return []
-    taken = [0]  # the numbers set aside before, of either file ("x.previous.json" is 1)
-    for old in results_files(folder, split):
-        for f in old.parent.glob(f"{old.stem}.previous*.json"):
-            found = re.fullmatch(rf"{re.escape(old.stem)}\.previous(?:-(\d+))?\.json", f.name)
-            if found:
-                taken.append(int(found[1] or 1))
-    n = max(taken) + 1  # one past the highest: the higher, the later, whatever was deleted
-    moved = [old.replace(aside_name(old, n)) for old in present]
+    n = next_aside(results_files(folder, split), ".json")  # one number for both files
+    moved = [old.replace(aside_path(old, n, ".json")) for old in present]
     log.info("moved the previous %s results aside: %s", split, ", ".join(map(str, moved)))
     return moved
 
-
-def aside_name(path: Path, n: int) -> Path:
-    """The `n`-th set-aside name of a results file: `x.previous.json`, `x.previous-2.json`..."""
-    return path.with_suffix(".previous.json" if n == 1 else f".previous-{n}.json")
