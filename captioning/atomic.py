@@ -57,7 +57,8 @@ def is_stale(p: Path, *, name: str | None = None) -> bool:
 
 def write_atomic(target: str | os.PathLike[str], write: Callable[[Path], Any]) -> Path:
     """`write(tmp)` to a temporary file beside `target`, fsync it, rename it over `target` and
-    fsync the folder; the temporary file is removed when anything fails. Returns `target`."""
+    fsync the folder; the temporary file is removed when anything fails, and an OS error that
+    names no file (a full disk during `write`) names `target`. Returns `target`."""
     target = Path(target)
     tmp = temporary_name(target)
     try:
@@ -68,11 +69,24 @@ def write_atomic(target: str | os.PathLike[str], write: Callable[[Path], Any]) -
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise naming(target, e) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(target.parent)
     return target
+
+
+def naming(path: Path, e: OSError) -> OSError:
+    """`e` naming `path` where it names no file (an error raised through a file object), so
+    that its one-line report says which file."""
+    if e.filename is not None:
+        return e
+    named = OSError(e.errno, e.strerror or str(e), str(path))  # the errno's own subclass
+    named.__cause__ = e
+    return named
 
 
 def write_text_atomic(target: str | os.PathLike[str], text: str) -> Path:

@@ -27,7 +27,7 @@ import lightning.pytorch as L
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from captioning.atomic import remove_stale_temporaries, write_atomic, write_text_atomic
+from captioning.atomic import naming, remove_stale_temporaries, write_atomic, write_text_atomic
 from captioning.viz import caption_strips, save_strip_png
 
 
@@ -43,12 +43,6 @@ def write_results_json(records: Sequence[dict[str, Any]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     body = ",\n".join(json.dumps(r, ensure_ascii=False) for r in records)
     write_text_atomic(path, f"[\n{body}\n]\n" if records else "[]\n")
-
-
-def _naming(path: Path, e: OSError) -> OSError:
-    """`e` naming `path` where it names no file (a full disk during a write through a file
-    object), so that its one-line report says which file."""
-    return e if e.filename is not None else OSError(e.errno, e.strerror or str(e), str(path))
 
 
 def _savez(path: Path, arrays: dict[str, Any]) -> None:
@@ -122,7 +116,7 @@ class CaptionWriter(BasePredictionWriter):
                                       for r in records + lines))
             self._shard.flush()
         except OSError as e:
-            raise _naming(self.shard_path(trainer.global_rank), e) from None
+            raise naming(self.shard_path(trainer.global_rank), e) from None
 
     def _write_alphas(self, pl_module: Any, prediction: dict[str, Any],
                       records: list[dict[str, Any]]) -> None:
@@ -135,10 +129,7 @@ class CaptionWriter(BasePredictionWriter):
             target = folder / name
             arrays = {"alphas": alphas[k, : len(words)].reshape(len(words), gh, gw),
                       "words": np.array(words, dtype=str)}
-            try:
-                write_atomic(target, lambda tmp, a=arrays: _savez(tmp, a))
-            except OSError as e:
-                raise _naming(target, e) from None
+            write_atomic(target, lambda tmp, a=arrays: _savez(tmp, a))
             rec["alphas"] = str(target)
 
     def _write_overlays(self, pl_module: Any, batch: Any, prediction: dict[str, Any],

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from captioning.commands.errors import parser_error_line
+
 #: Commands that evaluate a trained model: without weights they would score random ones.
 EVALUATING = ("validate", "test", "predict")
 #: Lightning's words when the trainer config asks for a GPU that this machine does not have.
@@ -132,8 +134,6 @@ def unknown_option_message(message: str, args: Sequence[str], keys: Iterable[str
 def invalid_value_message(message: str, args: Sequence[str]) -> str | None:
     """jsonargparse's refusal of a value that a config file gave (no flag did), in one line
     naming that file: `FILE: model.net.embed_dim: invalid value ...`; None otherwise."""
-    from captioning.commands.errors import parser_error_line
-
     found = _INVALID_VALUE.match(message)
     if found is None:
         return None
