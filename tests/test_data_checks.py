@@ -4,6 +4,7 @@ images train without a crash, skips are counted and logged to the loggers."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from collections.abc import Callable
@@ -222,3 +223,41 @@ def test_an_image_listed_twice_in_a_split_is_warned_of(
     assert [r.getMessage() for r in caplog.records] == [
         f"2 image files are listed twice in the train split under other ids (first: "
         f"{tmp_path / '0.jpg'}, as 0 and 3); each listing counts as an image"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "not an image"])
+def test_unchecked_images_fail_the_cache_build_naming_the_entry(
+        damage: str, messy_kwargs: dict, messy_root: Path, tmp_path: Path) -> None:
+    """With `validate_images` false, the first bad image the feature cache meets stops the
+    build in one problem naming the file, its split and id, and the setting that lists them
+    all before any step (a missing one was a bare `[Errno 2]` from the cache's key)."""
+    from captioning.data.features import attach_feature_cache
+
+    name = "train_00004.png" if damage == "missing" else "train_00003.png"
+    kwargs = {k: v for k, v in messy_kwargs.items() if k != "source"}
+    data = json.loads((messy_root / "dataset_shapes.json").read_text())
+    # only the damaged image among good ones: the one that the cache build meets first
+    data["images"] = [i for i in data["images"]
+                      if i["filename"] == name or (i["split"] != "train" and
+                                                   i["filename"] not in BAD_IMAGES)
+                      or i["filename"] in ("train_00000.png", "train_00014.png")]
+    split_file = tmp_path / "dataset_shapes.json"
+    split_file.write_text(json.dumps(data))
+    source = KarpathySplits(split_file=str(split_file), image_root=str(messy_root))
+    dm = make_dm({**kwargs, "source": source, "validate_images": False}, tmp_path / "cache")
+    module = make_module(dm)
+    attach_feature_cache(dm, module.captioner.encoder, module.captioner.feature_cache_key(),
+                         device="cpu")
+    with pytest.raises(DataError) as e:
+        dm.cache_features(["train"])
+    (problem,) = e.value.problems
+    entry = next(i for i in data["images"] if i["filename"] == name)
+    image_id = entry.get("cocoid", entry["imgid"])
+    assert (problem.file, problem.entry, problem.field) == (
+        str(messy_root / "images" / name), f"train image {image_id!r}", "image")
+    assert problem.message.startswith(
+        "file does not exist; " if damage == "missing" else "not an image (Pillow")
+    assert problem.message.endswith("data.validate_images is false: set it true to list every "
+                                    "bad image before any step (with data.on_bad_data: skip, "
+                                    "to leave them out)")
+    assert not list((tmp_path / "cache").rglob("*.npy"))  # nothing half-built left behind

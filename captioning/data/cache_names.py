@@ -13,6 +13,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from captioning.data.images import ImageLoadError
+from captioning.data.problems import MISSING
+
 CACHE_VERSION = 3  # in the key: 1 had no hashes in the index; 2 decoded JPEGs in full
 #: Hex digits of a cache's key, and so of its files' names (`cache_files`).
 KEY_LENGTH = 20
@@ -34,7 +37,11 @@ def cache_identity(*, encoder_config: dict[str, Any], image_size: int,
     h.update(json.dumps({"v": CACHE_VERSION, "encoder": encoder_config, "image_size": image_size},
                         sort_keys=True).encode())
     for p in rows:
-        st = os.stat(p)
+        try:
+            st = os.stat(p)
+        except OSError as e:  # with data.validate_images false, the first read of the image
+            raise ImageLoadError(p, MISSING if isinstance(e, FileNotFoundError)
+                                 else f"cannot access file ({e.strerror or e})") from None
         h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:KEY_LENGTH], rows
 

@@ -34,10 +34,10 @@ from captioning.data.datasets import (
     TokenIndex,
 )
 from captioning.data.features import CacheVerify
-from captioning.data.images import image_problems
+from captioning.data.images import ImageLoadError, image_problems
 from captioning.data.problems import DataError, Problem
 from captioning.data.readers import DATA_SPLITS, ImageRecord, OnError
-from captioning.data.reading import bad_images, read_source
+from captioning.data.reading import bad_images, read_source, unchecked_image
 from captioning.data.samplers import (
     BucketBatchSampler,
     EpochShuffleSampler,
@@ -359,13 +359,16 @@ class CaptionDataModule(L.LightningDataModule):
     def _build_cache(self, records: Sequence[ImageRecord], split: str) -> FeatureCache:
         from captioning.data.features import FeatureCache
 
-        return FeatureCache.build(
-            cache_dir=self.cache_root(), encoder=self._encoder,
-            encoder_config=self._encoder_config, image_size=self.image_size,
-            paths=[r.path for r in records], transform=self.image_transform(False),
-            batch_size=self.eval_batch_size, num_workers=self.num_workers,
-            device=self._cache_device, progress=f"caching {split} features",
-            verify=self.cache_verify)
+        try:
+            return FeatureCache.build(
+                cache_dir=self.cache_root(), encoder=self._encoder,
+                encoder_config=self._encoder_config, image_size=self.image_size,
+                paths=[r.path for r in records], transform=self.image_transform(False),
+                batch_size=self.eval_batch_size, num_workers=self.num_workers,
+                device=self._cache_device, progress=f"caching {split} features",
+                verify=self.cache_verify)
+        except ImageLoadError as e:  # data.validate_images false: the first bad image met
+            raise DataError(unchecked_image(records, split, e)) from None
 
     def _train_tokens(self, records: list[ImageRecord]) -> TokenIndex:
         """Tokens of every caption of `records` (cached for the current training records)."""

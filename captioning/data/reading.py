@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from captioning.data.images import image_problems
+from captioning.data.images import ImageLoadError, image_problems
 from captioning.data.problems import MISSING, DataError, Problem, naming_settings
 from captioning.data.readers import DATA_SPLITS, ImageRecord, OnError, split_overlaps
 from captioning.data.sources import DataSource, SourceRecords
@@ -36,6 +36,18 @@ def bad_images(records: Sequence[ImageRecord], reasons: Sequence[str | None], sp
     return [Problem(str(folders[key]), "(folder)", f"data.source.{key}",
                     f"none of the {len(records)} {split} images exists under it: pass "
                     f"--data.source.{key} with the folder that holds them"), *bad]
+
+
+def unchecked_image(records: Sequence[ImageRecord], split: str,
+                    error: ImageLoadError) -> list[Problem]:
+    """The problem of the bad image `error` met with `data.validate_images` false: its entry
+    among `records` (by path), and how to have every bad image listed before any step."""
+    found = [r for r in records if Path(r.path).resolve() == error.path.resolve()]
+    hint = ("; data.validate_images is false: set it true to list every bad image before "
+            "any step (with data.on_bad_data: skip, to leave them out)")
+    why = (error.reason or "cannot be read") + hint
+    return bad_images(found[:1], [why], split) if found else [
+        Problem(str(error.path), f"{split} image", "image", why)]
 
 
 def read_source(source: DataSource, on_bad_data: OnError, *,
