@@ -261,3 +261,37 @@ def test_unchecked_images_fail_the_cache_build_naming_the_entry(
                                     "bad image before any step (with data.on_bad_data: skip, "
                                     "to leave them out)")
     assert not list((tmp_path / "cache").rglob("*.npy"))  # nothing half-built left behind
+
+
+def test_every_problem_of_the_data_is_listed_in_the_run_folder(
+        messy_root: Path, messy_kwargs: dict, shapes_dm_kwargs: dict, cache_dir: Path,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The error lists ten problems; the run folder's data_problems.txt lists them all, as do
+    the problems `on_bad_data: skip` left out. A later run that reads clean data removes it."""
+    root = tmp_path / "data"
+    shutil.copytree(messy_root, root)
+    for i in range(15, 21):  # six more missing: 11 problems
+        (root / "images" / f"train_{i:05d}.png").unlink()
+    kwargs = {**messy_kwargs,
+              "source": KarpathySplits(split_file=str(root / "dataset_shapes.json"))}
+    run = tmp_path / "run"
+    cfg = cli_config(tmp_path / "c.yaml", kwargs, cache_dir, run / "ckpt")
+    listed = run / "data_problems.txt"
+    assert main(["fit", "--config", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert error_lines(err) == ["error: 11 problems in the data:"]
+    assert f"  ... and 1 more (all 11 in {listed})" in err.splitlines()
+    head, *lines = listed.read_text().splitlines()
+    assert head == "# 11 problems in the data (fit stopped)"
+    assert [ln.strip() for ln in err.splitlines() if ln.startswith("  /")] == lines[:10]
+    assert {Path(ln.split(":")[0]).name for ln in lines} == {
+        *BAD_IMAGES, *(f"train_{i:05d}.png" for i in range(15, 21))}
+
+    assert main(["fit", "--config", str(cfg), "--data.on_bad_data", "skip"]) == 0
+    head, *skipped = listed.read_text().splitlines()
+    assert head == "# 11 problems in the data (skipped: data.on_bad_data)"
+    assert sorted(skipped) == sorted(lines)
+
+    clean = cli_config(tmp_path / "clean.yaml", shapes_dm_kwargs, cache_dir, run / "ckpt")
+    assert main(["fit", "--config", str(clean)]) == 0
+    assert not listed.exists()

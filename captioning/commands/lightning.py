@@ -64,6 +64,7 @@ from captioning.commands.hints import (
 )
 from captioning.data.carving import CARVING_KEY, check_carving
 from captioning.data.datamodule import CaptionDataModule
+from captioning.data.problems import PROBLEMS_FILE, DataError, save_problems
 from captioning.lit_module import CaptioningModule
 from captioning.locks import claim_folder
 from captioning.models.captioner import DecodeConfig
@@ -354,7 +355,21 @@ class CaptioningCLI(LightningCLI):
     def __init__(self, *args: Any, claims: contextlib.ExitStack | None = None,
                  **kwargs: Any) -> None:
         self._claims = claims
-        super().__init__(*args, **kwargs)
+        self._run_root: Path | None = None  # held by this command: its data problems go there
+        stopped = False
+        try:
+            super().__init__(*args, **kwargs)
+        except DataError as e:  # every problem listed in the run folder (the message has ten)
+            stopped = True
+            if self._run_root is None:
+                raise
+            saved = save_problems(self._run_root, e.problems, f"{self.subcommand} stopped")
+            raise DataError(e.problems, listed_in=saved) from None
+        finally:  # what on_bad_data: skip left out
+            skipped = getattr(getattr(self, "datamodule", None), "problems", None)
+            if self._run_root is not None and skipped and not stopped:
+                log.info("the %d skipped problems of the data are listed in %s", len(skipped),
+                         save_problems(self._run_root, skipped, "skipped: data.on_bad_data"))
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
@@ -364,6 +379,8 @@ class CaptioningCLI(LightningCLI):
             # other processes of a DDP run are the same run: global rank zero holds it). Held
             # before anything is written there (init_from's vocabulary).
             self._claims.enter_context(claim_folder(root))
+            self._run_root = Path(str(root))
+            (self._run_root / PROBLEMS_FILE).unlink(missing_ok=True)  # an earlier command's
         if self.subcommand == "fit" and not cfg.get("ckpt_path") and rank_zero_only.rank == 0:
             _set_aside_earlier_checkpoints(cfg.get("trainer", {}), cfg.get("model.init_from"))
         self._use_checkpoint_vocab(cfg)

@@ -1,5 +1,6 @@
 """A defect in input data, and how it is reported: `Problem(file, entry, field, message)`, and
-`DataError`, which lists the first `MAX_LISTED` of them in one message."""
+`DataError`, which lists the first `MAX_LISTED` of them in one message; a run lists them all in
+its run folder (`PROBLEMS_FILE`, `save_problems`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from captioning.atomic import write_text_atomic
+
 #: How many problems a DataError message lists.
 MAX_LISTED = 10
+#: In a run folder: every problem of the data the run's command read (failed on, or skipped).
+PROBLEMS_FILE = "data_problems.txt"
 
 
 @dataclass(frozen=True)
@@ -29,17 +34,26 @@ class Problem:
 class DataError(ValueError):
     """Bad input data. `problems` holds every problem found; the message lists the first ten."""
 
-    def __init__(self, problems: Iterable[Problem]) -> None:
+    def __init__(self, problems: Iterable[Problem], *, listed_in: Path | None = None) -> None:
         self.problems: tuple[Problem, ...] = tuple(problems)
+        self.listed_in = listed_in  # the file that lists them all (`save_problems`)
         n = len(self.problems)
         if n == 1:
             msg = str(self.problems[0])
         else:
             lines = [f"  {p}" for p in self.problems[:MAX_LISTED]]
             if n > MAX_LISTED:
-                lines.append(f"  ... and {n - MAX_LISTED} more")
+                lines.append(f"  ... and {n - MAX_LISTED} more"
+                             + (f" (all {n} in {listed_in})" if listed_in else ""))
             msg = f"{n} problems in the data:\n" + "\n".join(lines)
         super().__init__(msg)
+
+
+def save_problems(folder: str | Path, problems: Sequence[Problem], what: str) -> Path:
+    """Write every one of `problems` (what they did to the run: `what`) to `folder`'s
+    `PROBLEMS_FILE`, one a line as a `DataError` lists them, atomically. Returns its path."""
+    lines = [f"# {len(problems)} problems in the data ({what})", *map(str, problems)]
+    return write_text_atomic(Path(folder) / PROBLEMS_FILE, "\n".join(lines) + "\n")
 
 
 def in_file_order(problems: Sequence[Problem]) -> list[Problem]:
