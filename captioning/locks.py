@@ -131,12 +131,14 @@ class FolderInUseError(FileExistsError):
 
 
 @contextlib.contextmanager
-def claim_folder(folder: str | os.PathLike[str], *, what: str = "run folder") -> Iterator[Path]:
-    """Hold `folder` for one run (through `<folder>/.lock`), without waiting: when another
-    process holds it, raise `FolderInUseError` naming the folder and that process."""
+def claim_folder(folder: str | os.PathLike[str], *, what: str = "run folder",
+                 beside: bool = False) -> Iterator[Path]:
+    """Hold `folder` for one run (through `<folder>/.lock`, or with `beside` `<folder>.lock`,
+    which stays when the folder is renamed), without waiting: when another process holds it,
+    raise `FolderInUseError` naming the folder and that process."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / ".lock"
+    (folder.parent if beside else folder).mkdir(parents=True, exist_ok=True)
+    path = lock_path(folder) if beside else folder / ".lock"
     fd = _open(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -473,6 +473,30 @@ def test_the_run_folder_stays_held_while_the_caller_holds_the_claims(
         pass
 
 
+def test_a_checkpoint_folder_outside_the_run_folder_is_held_by_its_fit(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Row: two runs, each in its own run folder, whose configs name one checkpoint folder: the
+    # second's new fit set the running first one's checkpoints aside.
+    import contextlib
+
+    from captioning.commands.lightning import lightning_cli
+
+    shared = tmp_path / "shared"
+    first, second = (config(tmp_path, shapes_dm_kwargs, cache_dir, shared, name=f"{n}.yaml",
+                            default_root_dir=str(tmp_path / n)) for n in ("a", "b"))
+    with contextlib.ExitStack() as claims:  # the first run, still running
+        lightning_cli(["fit", "--config", str(first)], claims=claims)
+        saved = digest(shared / "last.ckpt")
+        assert main(["fit", "--config", str(second)]) == 1
+        (line,) = error_lines(capsys.readouterr().err)
+        assert line == (f"error: {shared}: checkpoint folder in use by another run (pid "
+                        f"{os.getpid()}); give this run its own folder")
+        assert digest(shared / "last.ckpt") == saved and not (tmp_path / "shared.previous").exists()
+    assert main(["fit", "--config", str(second)]) == 0  # once the first is done: set aside
+    assert digest(tmp_path / "shared.previous" / "last.ckpt") == saved
+
+
 def test_ckpt_path_run_folder_means_its_checkpoints_last_ckpt(
         shapes_dm_kwargs: dict, cache_dir: Path, run: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:

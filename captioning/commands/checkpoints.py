@@ -37,7 +37,8 @@ from captioning.checkpoint import (
     read_checkpoint,
 )
 from captioning.commands.configs import entry_class
-from captioning.run_folder import RUN_CHECKPOINTS
+from captioning.commands.errors import ConfigError
+from captioning.run_folder import RUN_CHECKPOINTS, set_aside_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -198,3 +199,35 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
+def folders_outside(trainer: Mapping[str, Any], root: Any) -> list[Path]:
+    """The checkpoint folders of a trainer config that lie neither in the run folder `root` nor
+    around it or the current folder (those a new fit never sets aside)."""
+    run, here = Path(str(root)).resolve(), Path.cwd()
+    out = [f.folder.resolve() for f in checkpoint_folders(trainer)]
+    return list(dict.fromkeys(f for f in out if run not in (f, *f.parents)
+                              and f not in (here, *here.parents, *run.parents)))
+
+
+def set_aside_earlier_checkpoints(trainer: Mapping[str, Any], init_from: Any = None) -> None:
+    """A new fit (no `--ckpt_path`) in a run folder (`default_root_dir`): the checkpoints an
+    earlier run left in its checkpoint folders move aside (`run_folder.set_aside_checkpoints`),
+    so that none is overwritten. A folder holding the run folder or the current one is never
+    moved; `init_from` inside a folder to move is refused (the run needs its own folder)."""
+    if not trainer.get("default_root_dir"):
+        return
+    root = Path(str(trainer["default_root_dir"])).resolve()
+    folders = [f.folder for f in checkpoint_folders(trainer)] + [root / RUN_CHECKPOINTS]
+    start = Path(str(init_from)).resolve() if init_from else None
+    for folder in dict.fromkeys(f.resolve() for f in folders):
+        if folder in (root, Path.cwd()) or folder in root.parents or folder in Path.cwd().parents:
+            continue
+        if start is not None and folder in start.parents and any(folder.glob("*.ckpt")):
+            raise ConfigError(
+                f"model.init_from {init_from} lies in {folder}, which holds an earlier run's "
+                "checkpoints that a new fit sets aside: give this run its own run folder "
+                "(--trainer.default_root_dir DIR)")
+        moved = set_aside_checkpoints(folder)
+        if moved is not None:
+            log.warning("a new fit (no --ckpt_path) in a used run folder: moved the earlier "
+                        "run's checkpoints to %s (move it back to resume that run with "
+                        "--ckpt_path last)", moved)

@@ -43,9 +43,10 @@ from captioning.checkpoint import (
     upgrade_hparams,
 )
 from captioning.commands.checkpoints import (
-    checkpoint_folders,
     explicit_conflicts,
+    folders_outside,
     resolve_ckpt_path,
+    set_aside_earlier_checkpoints,
 )
 from captioning.commands.configs import move_outputs, resolve_config_args
 from captioning.commands.errors import ConfigError, user_error_types
@@ -76,7 +77,6 @@ from captioning.models.pretrained import (
     read_config,
     read_model_folder,
 )
-from captioning.run_folder import RUN_CHECKPOINTS, set_aside_checkpoints
 from captioning.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -381,8 +381,13 @@ class CaptioningCLI(LightningCLI):
             self._claims.enter_context(claim_folder(root))
             self._run_root = Path(str(root))
             (self._run_root / PROBLEMS_FILE).unlink(missing_ok=True)  # an earlier command's
+        if self.subcommand == "fit" and root and self._claims is not None \
+                and rank_zero_only.rank == 0:  # checkpoint folders outside it: held too
+            for folder in folders_outside(cfg.get("trainer", {}), root):
+                self._claims.enter_context(claim_folder(folder, what="checkpoint folder",
+                                                        beside=True))
         if self.subcommand == "fit" and not cfg.get("ckpt_path") and rank_zero_only.rank == 0:
-            _set_aside_earlier_checkpoints(cfg.get("trainer", {}), cfg.get("model.init_from"))
+            set_aside_earlier_checkpoints(cfg.get("trainer", {}), cfg.get("model.init_from"))
         self._use_checkpoint_vocab(cfg)
         self._apply_init_from()
         logger = cfg.get("trainer", {}).get("logger")
@@ -393,31 +398,6 @@ class CaptioningCLI(LightningCLI):
                 for k, v in wandb_dirs(save_dir).items():
                     os.environ.setdefault(k, v)
                     Path(v).mkdir(parents=True, exist_ok=True)
-
-
-def _set_aside_earlier_checkpoints(trainer: dict[str, Any], init_from: Any = None) -> None:
-    """A new fit (no `--ckpt_path`) in a run folder (`default_root_dir`): the checkpoints an
-    earlier run left in its checkpoint folders move aside (`run_folder.set_aside_checkpoints`),
-    so that none is overwritten. A folder holding the run folder or the current one is never
-    moved; `init_from` inside a folder to move is refused (the run needs its own folder)."""
-    if not trainer.get("default_root_dir"):
-        return
-    root = Path(str(trainer["default_root_dir"])).resolve()
-    folders = [f.folder for f in checkpoint_folders(trainer)] + [root / RUN_CHECKPOINTS]
-    start = Path(str(init_from)).resolve() if init_from else None
-    for folder in dict.fromkeys(f.resolve() for f in folders):
-        if folder in (root, Path.cwd()) or folder in root.parents or folder in Path.cwd().parents:
-            continue
-        if start is not None and folder in start.parents and any(folder.glob("*.ckpt")):
-            raise ConfigError(
-                f"model.init_from {init_from} lies in {folder}, which holds an earlier run's "
-                "checkpoints that a new fit sets aside: give this run its own run folder "
-                "(--trainer.default_root_dir DIR)")
-        moved = set_aside_checkpoints(folder)
-        if moved is not None:
-            log.warning("a new fit (no --ckpt_path) in a used run folder: moved the earlier "
-                        "run's checkpoints to %s (move it back to resume that run with "
-                        "--ckpt_path last)", moved)
 
 
 def lightning_cli(args: Sequence[str] | None, *, run: bool = True,
