@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ from conftest import needs_java
 from PIL import Image
 
 from captioning.cli import main
-from captioning.commands.ablate import GRID_DIR, alpha_entropy, find_grid, load_grid, plan_cells
+from captioning.commands.ablate import alpha_entropy, plan_cells
+from captioning.commands.ablation_grid import GRID_DIR, find_grid, load_grid
 from captioning.commands.ablation_report import (
     error_line,
     summarise,
@@ -67,7 +69,7 @@ def test_tiny_grid_end_to_end_with_a_failing_variant_and_resume(tiny_grid: Path)
         ("soft/additive", "0", "ok"), ("soft/additive", "1", "ok"), ("soft/dot", "0", "ok"),
         ("soft/dot", "1", "ok"), ("bad", "0", "failed"), ("bad", "1", "failed")]
     assert list(rows[0]) == ["variant", "seed", "status", "error", "BLEU-4", "pointing_accuracy",
-                             "train_seconds", "alpha_entropy", "seconds", "config"]
+                             "train_seconds", "alpha_entropy", "seconds", "config", "code"]
     for r in rows[:4]:
         assert r["error"] == "" and 0 <= float(r["BLEU-4"]) <= 1
         assert 0 < float(r["alpha_entropy"]) <= math.log(16) + 1e-6  # a 4x4 grid at 64 px
@@ -133,6 +135,88 @@ def test_the_feature_cache_step_and_a_failed_cell_that_left_a_result(
     assert calls[2:] == ["cache-features", "ablate"] and rows[0]["status"] == "ok"
     ablate.run_grid(grid, cells, Path("out"), prepare=Path("runs"))
     assert len(calls) == 4  # done now: nothing runs
+
+
+def test_a_cell_done_by_other_code_trains_again_unless_kept(
+        tiny_grid: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A result records the digest of the package's source that trained it: after an edit to
+    the package (a scorer's code), the cell trains again, from results.csv or from its own
+    result file; `--keep-done` keeps it (children faked)."""
+    import json
+    import logging
+
+    from captioning.commands import ablate
+
+    calls: list[str] = []
+
+    def child(args: list[str], log_path: Path) -> tuple[int, float]:
+        spec = json.loads((Path(args[-1]) / ablate.CELL_FILE).read_text())
+        calls.append(spec["code"])
+        (Path(args[-1]) / ablate.RESULT_FILE).write_text(json.dumps(
+            {"test": {"BLEU-4": 0.5}, "val": {}, "config": spec["config"], "code": spec["code"]}))
+        return 0, 1.0
+
+    monkeypatch.setattr(ablate, "run_child", child)
+    grid = load_grid(tiny_grid)
+    cells = plan_cells(grid, seeds=[0], only=["soft/dot"], runs=Path("runs"), tiny=False)
+    Path("out").mkdir()
+
+    def run(code: str, keep_done: bool = False) -> list[dict[str, Any]]:
+        monkeypatch.setattr(ablate, "code_digest", lambda: code * 12)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            return ablate.run_grid(grid, cells, Path("out"), prepare=None, keep_done=keep_done)
+
+    run("a")
+    run("a")
+    assert calls == ["a" * 12]  # the same code: done
+    run("b", keep_done=True)
+    assert calls == ["a" * 12]
+    assert ("soft/dot seed 0 was done by other code (aaaaaaaaaaaa; now bbbbbbbbbbbb): kept "
+            "(--keep-done)") in caplog.messages
+    rows = run("b")
+    assert calls == ["a" * 12, "b" * 12]
+    assert ("soft/dot seed 0 was done by other code (aaaaaaaaaaaa; now bbbbbbbbbbbb): trains "
+            "again (--keep-done keeps it)") in caplog.messages
+    assert rows[0]["code"] == "b" * 12 and rows[0]["status"] == "ok"
+    assert read_csv(Path("out/results.csv"))[0]["code"] == "b" * 12
+    Path("out/results.csv").unlink()  # its own result file says which code trained it
+    run("c")
+    assert calls == ["a" * 12, "b" * 12, "c" * 12]
+
+
+def test_grid_names_that_name_nothing_are_reported(tiny_grid: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A `without` entry that drops no logger or callback stops the grid before any cell; a
+    metric that no finished cell reports is warned of, with the names a cell reports."""
+    import json
+    import logging
+
+    from captioning.commands import ablate
+    from captioning.commands.ablation_report import unreported_metrics
+    from captioning.commands.errors import ConfigError
+
+    grid = load_grid(tiny_grid)
+    typo = replace(grid, without=("WandbLoger", "AttentionOverlayCallback"))
+    with pytest.raises(ConfigError, match=r"cpu\.yaml: without WandbLoger: no logger or callback "
+                                          r"of this trainer config has that class name \(it "
+                                          r"has: .*WandbLogger"):
+        plan_cells(typo, seeds=[0], only=None, runs=Path("runs"), tiny=True)
+    full = replace(grid, without=("lightning.pytorch.loggers.CSVLogger",))  # or its path
+    assert plan_cells(full, seeds=[0], only=None, runs=Path("runs"), tiny=True)
+
+    rows = [{"status": "ok", "BLEU4": math.nan, "BLEU-4": 0.5},
+            {"status": "failed", "BLEU4": 1.0, "BLEU-4": math.nan}]
+    assert unreported_metrics(rows, ["BLEU-4", "BLEU4"]) == ["BLEU4"]
+    (cell,) = plan_cells(grid, seeds=[0], only=["soft/dot"], runs=Path("runs"), tiny=True)
+    cell.run_dir.mkdir(parents=True)
+    (cell.run_dir / ablate.RESULT_FILE).write_text(json.dumps(
+        {"test": {"BLEU-4": 0.5, "CIDEr": 1.0}, "val": {"BLEU-4": 0.4}}))
+    with caplog.at_level(logging.WARNING):
+        ablate.warn_unreported(rows, [cell], ["BLEU-4", "BLEU4"])
+    assert caplog.messages == ["metrics BLEU4: no cell reports them; a cell reports BLEU-4, "
+                               "CIDEr, val/BLEU-4, train_seconds, alpha_entropy"]
 
 
 def test_dry_run_lists_every_cell(tiny_grid: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,15 +37,18 @@ from typing import Any
 import yaml
 
 from captioning.atomic import write_json_atomic, write_text_atomic
+from captioning.commands.ablation_grid import Grid, config_file, find_grid, load_grid
 from captioning.commands.ablation_report import (
+    CELL_METRICS,
     cell_metrics,
     error_line,
     read_rows,
+    unreported_metrics,
     write_plot,
     write_rows,
     write_table,
 )
-from captioning.commands.configs import CONFIG_DIR, find_config, trainer_config_in
+from captioning.commands.configs import trainer_config_in
 from captioning.commands.errors import ConfigError
 from captioning.locks import (
     Terminated,
@@ -54,26 +57,11 @@ from captioning.locks import (
     exclusive_lock,
     sigterm_raises,
 )
+from captioning.provenance import code_digest
 
 log = logging.getLogger(__name__)
 
-GRID_DIR = CONFIG_DIR / "ablations"
-DEFAULT_METRICS = ("BLEU-4", "CIDEr", "objects_correct", "pointing_accuracy", "train_seconds",
-                   "alpha_entropy")
 CELL_FILE, RESULT_FILE, LOG_FILE = "cell.json", "cell_result.json", "cell.log"
-
-
-@dataclass(frozen=True)
-class Grid:
-    """A parsed grid file."""
-
-    name: str
-    configs: tuple[str, ...]
-    overrides: dict[str, Any]
-    without: tuple[str, ...]
-    seeds: tuple[int, ...]
-    metrics: tuple[str, ...]
-    variants: dict[str, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -111,56 +99,6 @@ def flag_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def find_grid(name: str) -> Path:
-    """A grid file: a path as given, else `configs/ablations/<name>.yaml`."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    shipped = GRID_DIR / f"{name.removesuffix('.yaml')}.yaml"
-    if shipped.is_file():
-        return shipped
-    known = ", ".join(sorted(p.stem for p in GRID_DIR.glob("*.yaml")))
-    raise ConfigError(f"--grid {name}: no such file and no shipped grid (shipped: {known})")
-
-
-def load_grid(path: Path) -> Grid:
-    """Read and check a grid file."""
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}"
-                          ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("base") or {}, dict):
-        raise ConfigError(f"{path}: a grid is a mapping with `variants` and an optional `base` "
-                          "mapping (configs, overrides, without)")
-    base, variants = data.get("base") or {}, data.get("variants") or {}
-    if not isinstance(variants, dict) or not variants:
-        raise ConfigError(f"{path}: `variants` must map each variant's name to its overrides")
-    for name, over in variants.items():
-        if not isinstance(over, dict | type(None)):
-            raise ConfigError(f"{path}: variant {name!r} must be a mapping of overrides")
-    seeds = data.get("seeds", [0])
-    if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds):
-        raise ConfigError(f"{path}: `seeds` must be a list of integers")
-    return Grid(name=path.stem, configs=tuple(base.get("configs") or ()),
-                overrides=dict(base.get("overrides") or {}),
-                without=tuple(base.get("without") or ()), seeds=tuple(seeds),
-                metrics=tuple(data.get("metrics") or DEFAULT_METRICS),
-                variants={str(k): dict(v or {}) for k, v in variants.items()})
-
-
-def config_file(name: str) -> Path:
-    """A grid's config: a YAML file by path, else a shipped config by name (`data/shapes` is a
-    config here even where a `data/shapes/` dataset folder exists)."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    shipped = CONFIG_DIR / f"{name.removesuffix('.yaml')}.yaml"
-    return shipped if shipped.is_file() else find_config(name)
-
-
 def tiny_overrides(data_root: Path) -> dict[str, Any]:
     """`--tiny`: two steps on a tiny shapes set (64 px, random encoder), no validation (the
     test pass then uses the final weights), greedy decoding."""
@@ -189,6 +127,7 @@ def plan_cells(grid: Grid, *, seeds: Sequence[int], only: Sequence[str] | None, 
         if not configs or "trainer" not in (yaml.safe_load(configs[0].read_text()) or {}):
             raise ConfigError(f"grid {grid.name}: the first of base.configs must be a trainer "
                               "config (its output folders are moved into each cell's folder)")
+        trainer_config_in(configs[0], runs, without=grid.without)  # a name that drops nothing
         for seed in seeds:
             run_dir = runs / variant / f"seed{seed}"
             flags = {**grid.overrides, **{k: v for k, v in over.items() if k != "configs"},
@@ -240,7 +179,7 @@ def _write_result(run_dir: Path, spec: dict[str, Any], results: Any, val: dict[s
         "alpha_entropy": None if math.isnan(entropy := alpha_entropy(results.alphas.values()))
         else entropy,  # JSON has no NaN: null, which the report reads as absent
         "checkpoint": best or "the final weights (no validation ran)",
-        "config": spec["config"]}, indent=2)
+        "config": spec["config"], "code": spec.get("code")}, indent=2)
 
 
 # -- the parent: cells in child processes, results.csv --------------------------------------------
@@ -273,8 +212,8 @@ def write_cell_files(cell: Cell, config: str) -> None:
     trainer = trainer_config_in(cell.configs[0], cell.run_dir, without=cell.without)
     write_text_atomic(cell.run_dir / "trainer.yaml", yaml.safe_dump(trainer, sort_keys=False))
     write_json_atomic(cell.run_dir / CELL_FILE, {"variant": cell.variant, "seed": cell.seed,
-                                                 "args": cell.fit_args(), "config": config},
-                      indent=2)
+                                                 "args": cell.fit_args(), "config": config,
+                                                 "code": code_digest()}, indent=2)
 
 
 def run_child(args: Sequence[str], log_path: Path) -> tuple[int, float]:
@@ -304,7 +243,7 @@ def train_cell(cell: Cell, metrics: Sequence[str]) -> dict[str, Any]:
     returncode, seconds = run_child(["ablate", "--run-cell", str(cell.run_dir)],
                                     cell.run_dir / LOG_FILE)
     row: dict[str, Any] = {"variant": cell.variant, "seed": cell.seed, "seconds": round(seconds, 1),
-                           "config": config}
+                           "config": config, "code": code_digest()}
     result_file = cell.run_dir / RESULT_FILE
     if returncode == 0 and result_file.is_file():
         row.update(status="ok", error="",
@@ -332,23 +271,37 @@ def prepare_features(cell: Cell, runs: Path) -> None:
         log.info("feature cache ready in %.0f s", seconds)
 
 
-def done_before(rows: dict[tuple[str, int], dict[str, Any]], cell: Cell) -> bool:
-    """Whether this cell finished with its current settings: an `ok` row in results.csv, or
-    its own `cell_result.json` (whose row then goes back into `rows`)."""
+def done_before(rows: dict[tuple[str, int], dict[str, Any]], cell: Cell, *,
+                keep_done: bool = False) -> bool:
+    """Whether this cell finished with its current settings and code (`keep_done`: whatever
+    the code): an `ok` row in results.csv, or its own `cell_result.json` (whose row then goes
+    back into `rows`)."""
     row, config = rows.get((cell.variant, cell.seed)), cell.fingerprint()
     if row and row.get("config") == config:  # a failed row is retried, whatever it left
-        return row["status"] == "ok"
+        return row["status"] == "ok" and same_code(cell, row.get("code"), keep_done)
     result = cell.run_dir / RESULT_FILE
     try:
         found = json.loads(result.read_text()) if result.is_file() else {}
     except (OSError, ValueError):
         return False
-    if found.get("config") != config:
+    if found.get("config") != config or not same_code(cell, found.get("code"), keep_done):
         return False
     rows[(cell.variant, cell.seed)] = {
         "variant": cell.variant, "seed": cell.seed, "config": config, "status": "ok",
-        "error": "", "seconds": round(found.get("train_seconds", math.nan), 1)}
+        "error": "", "seconds": round(found.get("train_seconds", math.nan), 1),
+        "code": found.get("code")}
     return True
+
+
+def same_code(cell: Cell, code: Any, keep_done: bool) -> bool:
+    """Whether a result of `cell` trained by the package's source `code` (its `code_digest`)
+    counts as done: the same code, or any with `keep_done`."""
+    if code == code_digest():
+        return True
+    log.info("%s seed %d was done by other code (%s; now %s): %s", cell.variant, cell.seed,
+             code or "not recorded", code_digest(),
+             "kept (--keep-done)" if keep_done else "trains again (--keep-done keeps it)")
+    return keep_done
 
 
 def ordered(rows: dict[tuple[str, int], dict[str, Any]], grid: Grid) -> list[dict[str, Any]]:
@@ -358,13 +311,13 @@ def ordered(rows: dict[tuple[str, int], dict[str, Any]], grid: Grid) -> list[dic
     return sorted(keep, key=lambda r: (rank[r["variant"]], r["seed"]))
 
 
-def run_grid(grid: Grid, cells: Sequence[Cell], out: Path, *, prepare: Path | None
-             ) -> list[dict[str, Any]]:
-    """Train the cells not yet done, writing results.csv after each; returns every row.
-    With `prepare` (the runs folder), the feature cache is built first."""
+def run_grid(grid: Grid, cells: Sequence[Cell], out: Path, *, prepare: Path | None,
+             keep_done: bool = False) -> list[dict[str, Any]]:
+    """Train the cells not yet done (`done_before`), writing results.csv after each; returns
+    every row. With `prepare` (the runs folder), the feature cache is built first."""
     csv_path = out / "results.csv"
     rows = {(r["variant"], r["seed"]): r for r in read_rows(csv_path)}
-    todo = [c for c in cells if not done_before(rows, c)]
+    todo = [c for c in cells if not done_before(rows, c, keep_done=keep_done)]
     if todo and prepare is not None:
         prepare_features(todo[0], prepare)
     for i, cell in enumerate(cells, 1):
@@ -386,11 +339,26 @@ def run_grid(grid: Grid, cells: Sequence[Cell], out: Path, *, prepare: Path | No
     return ordered(rows, grid)
 
 
-def dry_run(cells: Sequence[Cell], out: Path) -> None:
+def warn_unreported(rows: Sequence[dict[str, Any]], cells: Sequence[Cell],
+                    metrics: Sequence[str]) -> None:
+    """Warn of the grid's metrics that no finished cell reports (a misspelt name: a column of
+    dashes), with the names a cell's result file has."""
+    missing = unreported_metrics(rows, metrics)
+    result = next((c.run_dir / RESULT_FILE for c in cells if (c.run_dir / RESULT_FILE).is_file()),
+                  None)
+    if not missing or result is None:
+        return
+    found = json.loads(result.read_text())
+    names = [*found.get("test", {}), *(f"val/{k}" for k in found.get("val", {})), *CELL_METRICS]
+    log.warning("metrics %s: no cell reports them; a cell reports %s", ", ".join(missing),
+                ", ".join(names))
+
+
+def dry_run(cells: Sequence[Cell], out: Path, *, keep_done: bool = False) -> None:
     """Print every cell, whether it is done, and the command it runs."""
     rows = {(r["variant"], r["seed"]): r for r in read_rows(out / "results.csv")}
     for cell in cells:
-        state = "done" if done_before(rows, cell) else "to run"
+        state = "done" if done_before(rows, cell, keep_done=keep_done) else "to run"
         sys.stdout.write(f"{cell.variant} seed {cell.seed} ({state}): {cell.run_dir}\n"
                          f"  captioning {shlex.join(cell.fit_args())}\n"
                          "  then test with the best checkpoint\n")
@@ -413,6 +381,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", default=None, metavar="VARIANT",
                    help="train only these variants (the table keeps the others' rows)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and their commands")
+    p.add_argument("--keep-done", action="store_true",
+                   help="keep cells done by other code (the package's source changed since)")
     p.add_argument("--tiny", action="store_true",
                    help="shrink every cell to a few steps on a tiny dataset (tests)")
     p.add_argument("--run-cell", default=None, help=argparse.SUPPRESS)  # the child process
@@ -437,11 +407,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(a.out) if a.out else runs  # results.csv, table.md, plot.png beside the cells
     cells = plan_cells(grid, seeds=seeds_of(a.seeds, grid), only=a.only, runs=runs, tiny=a.tiny)
     if a.dry_run:
-        dry_run(cells, out)
+        dry_run(cells, out, keep_done=a.keep_done)
         return 0
     out.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(out / "results.csv", what=f"grid {out}"), sigterm_raises():
-        rows = run_grid(grid, cells, out, prepare=None if a.tiny else runs)
+        rows = run_grid(grid, cells, out, prepare=None if a.tiny else runs,
+                        keep_done=a.keep_done)
+        warn_unreported(rows, cells, grid.metrics)
         write_table(out / "table.md", grid.name, rows, list(grid.variants), grid.metrics)
         write_plot(out / "plot.png", grid.name, rows, list(grid.variants), grid.metrics)
     log.info("wrote %s, %s and %s", out / "results.csv", out / "table.md", out / "plot.png")

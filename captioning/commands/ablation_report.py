@@ -55,6 +55,13 @@ def cell_metrics(result: dict[str, Any], metrics: Sequence[str]) -> dict[str, fl
     return out
 
 
+def unreported_metrics(rows: Sequence[dict[str, Any]], metrics: Sequence[str]) -> list[str]:
+    """The `metrics` that no finished (`ok`) row has a value of."""
+    done = [r for r in rows if r.get("status") == "ok"]
+    return [m for m in metrics if done and all(
+        not isinstance(r.get(m), float) or math.isnan(r[m]) for r in done)]
+
+
 def error_line(log_text: str, returncode: int) -> str:
     """The child's one-line error: its `error: ...` line, else the traceback's last line; for
     a child killed by a signal (a negative `returncode`), that signal."""
@@ -75,7 +82,7 @@ def error_line(log_text: str, returncode: int) -> str:
 
 
 def columns(metrics: Sequence[str]) -> list[str]:
-    return ["variant", "seed", "status", "error", *metrics, "seconds", "config"]
+    return ["variant", "seed", "status", "error", *metrics, "seconds", "config", "code"]
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -87,7 +94,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         for key, value in row.items():
             if key == "seed":
                 row[key] = int(value)
-            elif key not in ("variant", "status", "error", "config"):
+            elif key not in ("variant", "status", "error", "config", "code"):
                 row[key] = float(value) if value not in ("", None) else math.nan
         rows.append(row)
     return rows

@@ -110,18 +110,26 @@ def check_yaml(path: Path) -> Path:
 def trainer_config_in(path: Path, run_dir: Path, *, without: Iterable[str] = ()
                       ) -> dict[str, Any]:
     """The trainer config in `path` with every output folder in `run_dir` (the root, the
-    loggers' save_dir, ModelCheckpoint's dirpath), less the loggers and callbacks whose class
-    path ends with a name in `without`: one run's config, for `demo` and `ablate`."""
+    loggers' save_dir, ModelCheckpoint's dirpath), less the loggers and callbacks named in
+    `without` (by class name or class path): one run's config, for `demo` and `ablate`. A name
+    in `without` that names none of them is an error."""
     import yaml
 
     cfg = yaml.safe_load(path.read_text())
     trainer = cfg["trainer"]
     trainer["default_root_dir"] = str(run_dir)
-    for key in ("logger", "callbacks"):
-        items = trainer.get(key)
-        if isinstance(items, list):
-            trainer[key] = [x for x in items if not any(
-                str(x.get("class_path", "")).endswith(w) for w in without)]
+    paths = {key: [str(x.get("class_path", "")) if hasattr(x, "get") else ""
+                   for x in trainer[key]]
+             for key in ("logger", "callbacks") if isinstance(trainer.get(key), list)}
+    dropped = {p for ps in paths.values() for p in ps for w in without
+               if w in (p, p.rpartition(".")[2])}
+    for key, ps in paths.items():
+        trainer[key] = [x for x, p in zip(trainer[key], ps) if p not in dropped]
+    missing = [w for w in without if not any(w in (p, p.rpartition(".")[2]) for p in dropped)]
+    if missing:
+        names = [p.rpartition(".")[2] for ps in paths.values() for p in ps]
+        raise ConfigError(f"{path}: without {', '.join(missing)}: no logger or callback of this "
+                          f"trainer config has that class name (it has: {', '.join(names)})")
     for entry, key in output_folders(trainer):
         entry.setdefault("init_args", {})[key] = str(run_dir / OUTPUT_FOLDERS[key])
     return cfg
