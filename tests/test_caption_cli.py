@@ -192,6 +192,45 @@ def test_overlay_one_png_per_image(trained: Trained, tmp_path: Path, capsys) -> 
             assert panels[:, t].std() > 1, t
 
 
+def test_overlays_into_the_image_folder_leave_the_inputs_alone(trained: Trained, tmp_path: Path,
+                                                               capsys) -> None:
+    """`--overlay` naming the folder of the inputs: a strip whose name is an input's gets the
+    next free name (it replaced the input image)."""
+    for i, name in enumerate(("a.png", "b.jpg")):
+        Image.open(trained.images[i]).convert("RGB").save(tmp_path / name)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    rc, out, _ = run(capsys, "--checkpoint", trained.checkpoint, "--json", "--overlay", tmp_path,
+                     tmp_path / "a.png", tmp_path / "b.jpg")
+    assert rc == 0
+    assert [Path(json.loads(ln)["overlay"]).name for ln in out] == ["a-2.png", "b.png"]
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
+    assert overlay_names([tmp_path / "a.png", Path("elsewhere/a.png")], tmp_path) == [
+        "a-2.png", "a-3.png"]
+
+
+def test_unreadable_folders_and_symlink_loops_are_input_problems(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder that cannot be listed, and a symlink loop, are problems of that input (one
+    line each), not tracebacks."""
+    loop = tmp_path / "loop.png"
+    loop.symlink_to(tmp_path / "loop2.png")
+    (tmp_path / "loop2.png").symlink_to(loop)
+    assert expand_inputs([str(loop)]).paths == [loop]  # the loader reports it, as a file
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    listing = Path.iterdir
+
+    def iterdir(self: Path) -> Any:  # as without read permission (the tests may run as root)
+        if self == locked:
+            raise PermissionError(13, "Permission denied", str(self))
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    inputs = expand_inputs([str(locked)])
+    assert inputs.paths == []
+    assert inputs.problems == [f"{locked}: cannot read the folder (Permission denied)"]
+
+
 def test_overlay_marks_hard_attention_locations(trained: Trained, tmp_path: Path,
                                                capsys) -> None:
     torch.manual_seed(0)

@@ -185,6 +185,21 @@ def test_overlays_are_readable_pngs(trained: Trained, tmp_path: Path, capsys) ->
         assert strip[:64].std() > 1
 
 
+def test_outputs_never_replace_an_input_image(trained: Trained, tmp_path: Path, capsys) -> None:
+    """`--out` naming an input image is refused (it became the results); overlays written into
+    the inputs' folder take the next free name where a strip's name is an input's."""
+    img = tmp_path / "a.png"
+    shutil.copy(trained.images[0], img)
+    kept = img.read_bytes()
+    rc, err = predict(capsys, "--checkpoint", trained.checkpoint, tmp_path, "--out", img, *FAST)
+    assert rc == 2 and err == [f"error: --out {img}: is one of the input images; give another "
+                               "file to write"]
+    rc, _ = predict(capsys, "--checkpoint", trained.checkpoint, img, "--out",
+                    tmp_path / "c.json", "--overlays", tmp_path, *FAST)
+    assert rc == 0 and img.read_bytes() == kept
+    assert [Path(r["overlay"]).name for r in read_results(tmp_path / "c.json")] == ["a-2.png"]
+
+
 def test_a_killed_runs_temporaries_are_removed_by_the_next_run(
         trained: Trained, tmp_path: Path, capsys) -> None:
     """A run killed while writing strips, maps or the JSON left their temporaries; the next

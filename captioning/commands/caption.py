@@ -63,7 +63,10 @@ def expand_arg(arg: str) -> tuple[list[Path], str | None]:
     if "\0" in arg:  # the OS cannot name such a file: one line, not a ValueError
         return [], f"{arg!r}: not a usable path (it contains a NUL byte)"
     if p.is_dir():
-        found = _images_in(p)
+        try:
+            found = _images_in(p)
+        except OSError as e:
+            return [], f"{arg}: cannot read the folder ({e.strerror or e})"
         if found:
             return found, None
         deeper = any(q.is_file() and _is_image_name(q) for q in p.rglob("*"))  # to the first
@@ -81,12 +84,20 @@ def expand_arg(arg: str) -> tuple[list[Path], str | None]:
     return found, None if found else f"{arg}: pattern matched no images"
 
 
+def resolved(path: Path) -> Path:
+    """`path` resolved; a symlink loop (which the loader reports) as it is, made absolute."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # RuntimeError before Python 3.13
+        return path.absolute()
+
+
 def each_file_once(paths: Iterable[Path]) -> list[Path]:
-    """Each file once, at its first occurrence (paths compared resolved)."""
+    """Each file once, at its first occurrence (paths compared `resolved`)."""
     seen: set[Path] = set()
     kept = []
     for p in paths:
-        key = p.resolve()
+        key = resolved(p)
         if key not in seen:
             seen.add(key)
             kept.append(p)
@@ -104,9 +115,11 @@ def expand_inputs(args: Sequence[str]) -> Inputs:
     return Inputs(each_file_once(paths), problems)
 
 
-def overlay_names(paths: Sequence[Path]) -> list[str]:
-    """One distinct PNG file name per image: its stem, with -2, -3, ... on repeats."""
-    used: set[str] = set()
+def overlay_names(paths: Sequence[Path], folder: Path | None = None) -> list[str]:
+    """One distinct PNG file name per image: its stem, with -2, -3, ... on repeats and where
+    the name is that of an input in `folder` (the overlays' folder), which it would replace."""
+    here = resolved(folder) if folder is not None else None
+    used = {p.name.lower() for p in paths if here is not None and resolved(p).parent == here}
     names = []
     for p in paths:
         stem, n = p.stem or "image", 1
@@ -213,8 +226,8 @@ def _caption_all(a: argparse.Namespace, model: LoadedModel, paths: list[Path],
     """Caption `paths` batch by batch, printing as it goes: (captioned, failed); captioned is
     -1 when stdout went away."""
     failed = done = 0
-    names = overlay_names(paths) if a.overlay else []
     out_dir = Path(a.overlay) if a.overlay else None
+    names = overlay_names(paths, out_dir) if out_dir else []
     if out_dir is not None and out_dir.is_dir():
         from captioning.atomic import remove_stale_temporaries
 

@@ -37,6 +37,7 @@ from captioning.commands.caption import (
     each_file_once,
     expand_arg,
     overlay_names,
+    resolved,
 )
 from captioning.commands.errors import error
 from captioning.launch import launcher_rank_zero
@@ -181,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank_zero:
             error("no images to caption")
         return 2
+    out = resolved(Path(a.out))
+    if any(resolved(p) == out for p in inputs.paths):
+        error(f"--out {a.out}: is one of the input images; give another file to write")
+        return 2
 
     from captioning.checkpoint import CheckpointError, load_checkpoint
 
@@ -231,7 +236,7 @@ def _predict(a: argparse.Namespace, argv: list[str], model: LoadedModel, decode:
     from captioning.distributed import end_process_group
 
     writer = CaptionWriter(a.out, alphas=a.alphas, overlays=a.overlays,
-                           names=overlay_names(paths))
+                           names=overlay_names(paths, Path(a.overlays) if a.overlays else None))
     devices: Any = int(a.devices) if a.devices.lstrip("-").isdigit() else a.devices
     try:
         trainer = L.Trainer(accelerator=a.accelerator, devices=devices, strategy=a.strategy,
