@@ -200,6 +200,30 @@ def test_outputs_never_replace_an_input_image(trained: Trained, tmp_path: Path, 
     assert [Path(r["overlay"]).name for r in read_results(tmp_path / "c.json")] == ["a-2.png"]
 
 
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true", "64-true"])
+def test_every_true_precision_captions(trained: Trained, tmp_path: Path, capsys,
+                                       precision: str) -> None:
+    """`--precision` 16-true and bf16-true (the model and images cast) stopped with a dtype
+    error (a float16 grid was taken for a cached one and widened; beam buffers took the default
+    dtype); 64-true gives float32's captions."""
+    images, out = trained.images[:3], tmp_path / "c.json"
+    results = {}
+    for p in ("32-true", precision):
+        rc, err = predict(capsys, "--checkpoint", trained.checkpoint, *images, "--out", out,
+                          "--precision", p, "--num-captions", "2", "--alphas", *FAST)
+        assert rc == 0 and err == [], err
+        results[p] = read_results(out)
+    for r in results[precision]:
+        assert r["caption"] and len(r["captions"]) == 2 and np.isfinite(r["score"])
+        with np.load(r["alphas"]) as saved:  # α maps stay float32
+            assert saved["alphas"].dtype == np.float32
+    if precision == "64-true":
+        def texts(p: str) -> list[list[str]]:
+            return [[c["caption"] for c in r["captions"]] for r in results[p]]
+
+        assert texts(precision) == texts("32-true")
+
+
 def test_a_killed_runs_temporaries_are_removed_by_the_next_run(
         trained: Trained, tmp_path: Path, capsys) -> None:
     """A run killed while writing strips, maps or the JSON left their temporaries; the next

@@ -332,15 +332,16 @@ def select(scores: Tensor, rule: SelectRule, *, tau: float | Tensor = 1.0,
     return Selection(weights, alpha, loc, log_prob, entropy)
 
 
-def context(weights: Tensor, values: Tensor, rows: Tensor | None = None) -> Tensor:
+def context(weights: Tensor, values: Tensor, rows: Tensor | None = None, *,
+            wide: torch.dtype = torch.float32) -> Tensor:
     """z_t = Σ_i w_ti a_i (Eq. 6): weights (b, L) over the annotations (b, L, D), or with
     `rows` (b,) over rows rows[c] of (N, L, D) (the native kernel, for a frozen grid) ->
     (b, D) in the annotations' dtype. A float16 grid (cached) holds float32 values: z is
-    float32."""
+    float32 (`wide`: the model's dtype, where it was cast)."""
     if rows is not None:
         if native.usable(values, values=True) and not values.requires_grad:
             return native.NativeContext.apply(weights, values, rows)
         values = values.index_select(0, rows)
-    values = values.to(grid_dtype(values.dtype))
+    values = values.to(grid_dtype(values.dtype, wide))
     w = weights.to(values.dtype)  # α is float32 (softmax), a_i may be bf16
     return torch.bmm(w.unsqueeze(1), values).squeeze(1)

@@ -273,7 +273,8 @@ class Captioner(nn.Module):
         """
         check_input(images, self.encoder.dim)
         if images.dim() == 3:
-            return images if keep_half else images.to(grid_dtype(images.dtype))
+            return images if keep_half else images.to(grid_dtype(images.dtype,
+                                                                 self.decoder.weight_dtype))
         if self.encoder.trainable:
             return self.encoder(images)
         return per_distinct_row(images, self.encoder)  # frozen: once per distinct image

@@ -135,15 +135,20 @@ class AttentionLSTMDecoder(nn.Module):
         self.fast_bucket = 8
         self._fixed: Callable[..., tuple[Tensor, ...]] | None = None  # compiled unrolled pass
 
+    @property
+    def weight_dtype(self) -> torch.dtype:  # float32, unless the model was cast
+        return self.init_h.weight.dtype
+
     # -- the step API -----------------------------------------------------------------------
     def memory(self, features: Tensor) -> Memory:
         """Annotations (B, L, D) and the scorer's keys (B, L, K), computed once, and once per
         distinct image where a batch repeats one (`captioning.models.repeats`). Annotations
         that need no gradient are cast once, here, for the keys' product and every step's
-        context alike: to autocast's dtype, else a float16 (cached) grid to float32 (a
-        fine-tuned encoder's keep their dtype, so that their gradient sums in float32)."""
+        context alike: to autocast's dtype, else a float16 (cached) grid to the weights' (a
+        fine-tuned encoder's keep theirs, so that their gradient sums in float32)."""
         if not features.requires_grad:
-            features = features.to(autocast_dtype(features) or grid_dtype(features.dtype))
+            features = features.to(autocast_dtype(features) or grid_dtype(features.dtype,
+                                                                           self.weight_dtype))
         return Memory(features, per_distinct_row(features, self.attention.project))
 
     def init_state(self, memory: Memory) -> DecoderState:
@@ -230,7 +235,7 @@ class AttentionLSTMDecoder(nn.Module):
             # these captions; `detached` leaves the scorer to REINFORCE and entropy terms.
             alpha = sel.alpha if self.semi_sampling_grad == "paper" else sel.alpha.detach()
             weights = torch.where(use_expected.unsqueeze(1), alpha, weights)
-        z = context(weights, memory.values, memory.rows)  # z_t = Σ_i w_ti a_i (Eq. 6)
+        z = context(weights, memory.values, memory.rows, wide=self.weight_dtype)  # Eq. 6
         beta = torch.sigmoid(self.gate(h))  # β_t = σ(f_β(h_{t-1})) (§4.2.1)
         z_hat = beta * z  # (B, D)
         # Eqs. 1-3, the LSTM (nn.LSTMCell's weights and gate order i, f, g, o)
@@ -278,7 +283,7 @@ class AttentionLSTMDecoder(nn.Module):
         steps = (lengths - 1).clamp_min(0)  # words to predict per caption
         rule, semi = self._training_rule() if rule is None else (rule, False)
         if self._fixed is not None and captions.size(1) > 1:
-            features = features.to(grid_dtype(features.dtype))
+            features = features.to(grid_dtype(features.dtype, self.weight_dtype))
             return self._forward_fixed(features, captions, steps, rule, semi)
         steps_cpu = steps.tolist()
         # The loop runs the captions longest first; outputs come back in the batch's order.
@@ -339,7 +344,7 @@ class AttentionLSTMDecoder(nn.Module):
         distinct image (`models.repeats`), read by its captions through `rows`, so that neither
         grid nor keys is copied per caption. Else `memory` of the reordered batch."""
         dtype = autocast_dtype(features)  # cast once, for the keys and every step's context
-        wide = grid_dtype(features.dtype)  # a float16 grid's float32
+        wide = grid_dtype(features.dtype, self.weight_dtype)  # a float16 grid's float32
         if (self.fast_path != "native" or features.device.type != "cpu"
                 or (dtype or wide) not in native.DTYPES
                 or (features.requires_grad and torch.is_grad_enabled())):

@@ -105,7 +105,8 @@ def greedy_search(
     out_tokens = torch.full((N, max_len), IDS.pad, dtype=torch.long, device=device)
     out_alphas = features.new_zeros(N, max_len, L, dtype=torch.float)
     out_locs = torch.zeros(N, max_len, dtype=torch.long, device=device)
-    scores = torch.zeros(N, device=device)
+    scores = torch.zeros(N, dtype=torch.promote_types(features.dtype, torch.float32),
+                         device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     lengths = torch.zeros(N, dtype=torch.long, device=device)
     for t in range(max_len):
@@ -217,12 +218,13 @@ class _Finished:
     """The n best finished hypotheses of each of N images, best first by normalised score."""
 
     def __init__(self, N: int, n: int, max_len: int, L: int, pad: int,
-                 device: torch.device) -> None:
-        self.norm = torch.full((N, n), NEG_INF, device=device)
-        self.score = torch.full((N, n), NEG_INF, device=device)
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.norm = torch.full((N, n), NEG_INF, dtype=dtype, device=device)  # scores: `dtype`
+        self.score = torch.full((N, n), NEG_INF, dtype=dtype, device=device)
+        f32 = {"dtype": torch.float32, "device": device}  # α, whatever the default dtype
         self.length = torch.zeros(N, n, dtype=torch.long, device=device)
         self.tok = torch.full((N, n, max_len), pad, dtype=torch.long, device=device)  # (N, n, T)
-        self.alpha = torch.zeros(N, n, max_len, L, device=device)  # (N, n, T, L)
+        self.alpha = torch.zeros(N, n, max_len, L, **f32)  # (N, n, T, L)
         self.loc = torch.zeros(N, n, max_len, dtype=torch.long, device=device)  # (N, n, T)
 
     def keep(self, images: Tensor, slot: Tensor, new: Tensor, norm: Tensor, score: Tensor,
@@ -282,12 +284,13 @@ def beam_search(
     alive = torch.arange(N, device=device)  # original index of each image still searching
 
     tokens = torch.full((N * k,), IDS.start, dtype=torch.long, device=device)
-    beam_scores = torch.full((N, k), NEG_INF, device=device)
+    acc = torch.promote_types(features.dtype, torch.float32)  # scores: at least float32
+    beam_scores = torch.full((N, k), NEG_INF, dtype=acc, device=device)
     beam_scores[:, 0] = 0.0  # all beams start identical: keep one live
     hist_tok = torch.empty(N, k, 0, dtype=torch.long, device=device)
-    hist_alpha = torch.empty(N, k, 0, L, device=device)
+    hist_alpha = torch.empty(N, k, 0, L, dtype=torch.float32, device=device)
     hist_loc = torch.empty(N, k, 0, dtype=torch.long, device=device)
-    fin = _Finished(N, nb, max_len, L, IDS.pad, device)
+    fin = _Finished(N, nb, max_len, L, IDS.pad, device, acc)
 
     for t in range(max_len):
         n = alive.numel()
@@ -321,7 +324,7 @@ def beam_search(
             tok = torch.full((c, nb, max_len), IDS.pad, dtype=torch.long, device=device)
             tok[:, :, :t] = hist_tok[local.unsqueeze(1), b]
             tok[:, :, t] = IDS.end
-            alphas = torch.zeros(c, nb, max_len, L, device=device)
+            alphas = torch.zeros(c, nb, max_len, L, dtype=torch.float32, device=device)
             alphas[:, :, :t] = hist_alpha[local.unsqueeze(1), b]
             alphas[:, :, t] = alpha[rows].float()
             locs = torch.zeros(c, nb, max_len, dtype=torch.long, device=device)

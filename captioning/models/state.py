@@ -13,10 +13,11 @@ import torch
 from torch import Tensor
 
 
-def grid_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype an annotation grid is computed in: float32 for a float16 grid (a cached one,
-    which holds float32 values exactly at half the bytes), else its own."""
-    return torch.float32 if dtype == torch.float16 else dtype
+def grid_dtype(dtype: torch.dtype, weights: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype an annotation grid is computed in: for a float16 grid (a cached one, which
+    holds float32 values exactly at half the bytes), the `weights`' dtype (float32, or float16
+    for a model cast to half), else its own."""
+    return weights if dtype == torch.float16 else dtype
 
 
 class Memory(NamedTuple):
