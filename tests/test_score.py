@@ -114,7 +114,7 @@ def test_every_bad_entry_is_listed_with_its_field(karpathy: Path, tmp_path: Path
         ("[2] (image_id 2)", "image_id", "image 2 again (first at [0])"),
         ("[3] (file_name 'c.jpg')", "caption", "expected a string, got int"),
         ("[4] (file_name 'a.jpg')", "file_name",
-         "names 2 reference images (ids 1, 5): give image_id"),
+         "names 2 reference images (ids 1, 5): give image_id, or a path with their folders"),
         ("[5]", "image_id", "missing (or file_name)"),
         ("[7] (image_id 1)", "image_id", "image 1 is in the train split, not test"),
         ("[8]", "(entry)", "expected an object, got str"),
@@ -129,6 +129,19 @@ def test_every_bad_entry_is_listed_with_its_field(karpathy: Path, tmp_path: Path
         match_results(results(tmp_path, {"image_id": 2}), records)
     with pytest.raises(DataError, match="no results to score"):
         match_results(results(tmp_path, []), records)
+
+
+def test_a_file_name_shared_by_two_images_is_told_apart_by_its_folders(
+        karpathy: Path, tmp_path: Path) -> None:
+    """`predict` writes the path as given: where two reference images share a file name
+    (train2014/a.jpg and val2014/a.jpg), the one whose path ends with more of its folders."""
+    records, _ = read_references(karpathy)
+    entries = [{"file_name": "val2014/a.jpg", "caption": "a yellow box"},
+               {"file_name": "/mnt/copy/train2014/a.jpg", "caption": "a red box"},
+               {"file_name": "./c.jpg", "caption": "green square"}]
+    refs, hyps = match_results(results(tmp_path, entries), records)
+    assert hyps == {5: "a yellow box", 1: "a red box", 3: "green square"}
+    assert refs[5] == CAPTIONS[5][3] and refs[1] == CAPTIONS[1][3]
 
 
 def test_a_results_file_that_covers_part_of_the_split_is_scored_with_a_warning(

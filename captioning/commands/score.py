@@ -71,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def common_tail(a: Sequence[str], b: Sequence[str]) -> int:
+    """How many trailing parts two paths' `parts` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
 class Index:
     """The reference images of a file, found by id or by file name."""
 
@@ -89,9 +97,14 @@ class Index:
         if not isinstance(value, str) or not value:
             return None, f"expected a non-empty string, got {type_name(value)}"
         named = self.by_name.get(Path(value).name, [])
-        if len(named) > 1:
-            ids = ", ".join(repr(r.image_id) for r in named)
-            return None, f"names {len(named)} reference images (ids {ids}): give image_id"
+        if len(named) > 1:  # the one whose path ends with more of the name's folders
+            depth = [common_tail(Path(r.path).parts, Path(value).parts) for r in named]
+            best = [r for r, d in zip(named, depth) if d == max(depth)]
+            if len(best) == 1:
+                return best[0], None
+            ids = ", ".join(repr(r.image_id) for r in best)
+            return None, (f"names {len(best)} reference images (ids {ids}): give image_id, or "
+                          "a path with their folders")
         return (named[0], None) if named else (None, "no image of this name in the references")
 
     def _id_hint(self, value: Any) -> str:
