@@ -487,3 +487,40 @@ def test_export_writes_only_its_own_temporaries_and_clears_stale_ones(
     assert not stale.exists() and not [p for p in out.iterdir() if "tmp" in p.name]
     assert_same(generate(Captioner.from_pretrained(out), tiny.images, DECODE),
                 generate(Captioner.from_pretrained(tiny.folder), tiny.images, DECODE))
+
+
+def test_the_readmes_python_example_runs(tiny: Tiny, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's Python example under "Sharing a trained model", run as written on an
+    exported folder and a photo: captions, words aligned with α's steps, maps on the grid;
+    `model_inputs` takes a file or a PIL image alike, as `caption` loads them."""
+    import re
+
+    from PIL import Image
+
+    from captioning.data.transforms import model_inputs
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Sharing a trained model", 1)[1].split("\n## ", 1)[0]
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", section, re.S)
+               if "model_inputs" in c]
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny.folder, "demo-soft-model")
+    photo = Image.new("RGB", (90, 70), (200, 40, 40))
+    photo.paste((20, 20, 220), (10, 10, 50, 40))
+    photo.save("photo.jpg", quality=95)
+    scope: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), scope)  # the README's own example
+    model, gen, words = scope["model"], scope["gen"], scope["words"]
+    assert scope["captions"] == [" ".join(w for w in words[0] if w not in SPECIALS)]
+    assert len(words[0]) == int(gen.lengths[0]) - int(gen.finished[0])  # <end>: a step, no word
+    assert scope["maps"].shape == (1, gen.alphas.shape[1], *model.grid)
+    assert torch.allclose(scope["maps"].sum((-2, -1))[0, : len(words[0])], torch.ones(1))
+    again = Captioner.from_pretrained("copy-of-model")
+    with torch.inference_mode():
+        assert again.captions(scope["images"]) == scope["captions"]
+    with Image.open("photo.jpg") as im:  # a PIL image: the same input as its file
+        assert torch.equal(model_inputs([im], model.config.image_size), scope["images"])
+    with pytest.raises(TypeError, match=r"got JpegImageFile: for image files or PIL images, "
+                                        r"pass captioning\.data\.transforms\.model_inputs"):
+        model.captions(Image.open("photo.jpg"))

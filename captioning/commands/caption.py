@@ -293,14 +293,14 @@ def _batches(paths: Sequence[Path], image_size: int, batch_size: int) -> Iterato
     """Load images with the project's loader and transform, `batch_size` good ones at a time."""
     import torch
 
-    from captioning.data.images import ImageLoadError, load_image
-    from captioning.data.transforms import build_image_transform
+    from captioning.data.images import ImageLoadError
+    from captioning.data.transforms import build_image_transform, model_input
 
     transform = build_image_transform(image_size)
 
     def load(path: Path) -> Any:
         try:
-            return transform(load_image(path, min_side=image_size))
+            return model_input(path, image_size, transform=transform)
         except ImageLoadError as e:
             return str(e)
 

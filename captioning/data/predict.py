@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from captioning.data.images import ImageLoadError, load_image
-from captioning.data.transforms import build_image_transform
+from captioning.data.images import ImageLoadError
+from captioning.data.transforms import build_image_transform, model_input
 
 
 @dataclass
@@ -58,7 +58,7 @@ class PredictImages(Dataset):
         index = item % len(self.paths)
         path = self.paths[index]
         try:
-            return index, path, self.transform(load_image(path, min_side=self.image_size))
+            return index, path, model_input(path, self.image_size, transform=self.transform)
         except ImageLoadError as e:
             return index, path, str(e) if item == index else None
 

@@ -1,16 +1,21 @@
-"""The image transform shared by training, evaluation, the feature cache and the caption CLI,
-and `boxes_to_crop_coords`, which maps boxes through the eval transform's geometry.
+"""The image transform shared by training, evaluation, the feature cache and the caption CLI;
+`model_input(s)`, an image file or PIL image as a model reads it; and `boxes_to_crop_coords`,
+which maps boxes through the eval transform's geometry.
 
 Kept free of Lightning so that `captioning caption` starts fast.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
@@ -27,6 +32,30 @@ def build_image_transform(image_size: int, *, train: bool = False,
     ops += [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True),
             v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     return v2.Compose(ops)
+
+
+def model_input(image: str | os.PathLike[str] | Image, image_size: int, *,
+                transform: Callable[[Any], Tensor] | None = None) -> Tensor:
+    """One image as a model of input size `image_size` reads it, (3, S, S): a file loaded with
+    `load_image` (any mode to RGB, EXIF orientation applied; a JPEG decoded no smaller than
+    needed), or a PIL image converted to RGB, then the evaluation transform (`transform`:
+    built once by a caller with many images). Raises `ImageLoadError` for a bad file."""
+    from PIL import Image as PILImage
+
+    from captioning.data.images import load_image, to_rgb
+
+    transform = transform or build_image_transform(image_size)
+    if isinstance(image, PILImage.Image):
+        return transform(to_rgb(image))
+    return transform(load_image(image, min_side=image_size))
+
+
+def model_inputs(images: Iterable[str | os.PathLike[str] | Image], image_size: int) -> Tensor:
+    """Image files or PIL images as a batch a model of input size `image_size` reads,
+    (B, 3, S, S): `model_input` of each; e.g. `model.captions(model_inputs(["a.jpg"],
+    model.config.image_size))`."""
+    transform = build_image_transform(image_size)
+    return torch.stack([model_input(im, image_size, transform=transform) for im in images])
 
 
 def boxes_to_crop_coords(

@@ -194,6 +194,10 @@ class CaptionerConfig(_PlainConfig):
 def check_input(x: Tensor, dim: int) -> None:
     """Refuse what is neither float images (B, 3, H, W) nor annotation grids (B, L, `dim`),
     naming the shape and the likely cause (no sync: shapes and dtypes only)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"images must be a float tensor (B, 3, H, W), got {type(x).__name__}: "
+                        "for image files or PIL images, pass captioning.data.transforms."
+                        "model_inputs(images, model.config.image_size)")
     if not x.is_floating_point():
         raise TypeError(f"images must be a float tensor, normalised as "
                         f"captioning.data.transforms.build_image_transform makes them; got "

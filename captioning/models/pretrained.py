@@ -325,13 +325,11 @@ In Python, `Captioner.from_pretrained` returns the model in eval mode, with its 
 ```python
 import torch
 
-from captioning.data.images import load_image
-from captioning.data.transforms import build_image_transform
+from captioning.data.transforms import model_inputs
 from captioning.models.captioner import Captioner
 
 model = Captioner.from_pretrained({json.dumps(folder)})
-transform = build_image_transform(model.config.image_size)
-images = torch.stack([transform(load_image("img.jpg"))])
+images = model_inputs(["img.jpg"], model.config.image_size)  # files or PIL images, as the CLI
 with torch.inference_mode():
     print(model.captions(images))  # text, decoded with model.decode
     gen = model.generate(images, model.decode)  # token ids, scores and attention maps
