@@ -118,8 +118,10 @@ def test_export_writes_the_folder(tiny: Tiny) -> None:
     digests = config.pop("sha256")
     assert config == {"format": FORMAT, "format_version": 1, "model": NET.to_dict(),
                       "decode": DECODE.to_dict()}  # weights: null, the backbone is in the file
-    assert digests == {name: hashlib.sha256((tiny.folder / name).read_bytes()).hexdigest()
-                       for name in (WEIGHTS_FILE, VOCAB_FILE)}
+    canonical = json.dumps(config["model"], sort_keys=True, separators=(",", ":"))
+    assert digests == {**{name: hashlib.sha256((tiny.folder / name).read_bytes()).hexdigest()
+                          for name in (WEIGHTS_FILE, VOCAB_FILE)},
+                       "config.json#model": hashlib.sha256(canonical.encode()).hexdigest()}
     assert Vocabulary.load(tiny.folder / VOCAB_FILE) == tiny.vocab
     state = load_file(str(tiny.folder / WEIGHTS_FILE))
     assert state.keys() == tiny.captioner.state_dict().keys()  # no "captioner." prefix
@@ -361,11 +363,14 @@ BROKEN: dict[str, tuple[str, Callable[[Path], None], str]] = {
                       "its SHA-256 is not the one config.json records"),
     "bad digests": (CONFIG_FILE, _json(CONFIG_FILE, lambda d: d.update(sha256=[])),
                     "'sha256' must be an object, got list"),
+    "model settings edited": (CONFIG_FILE, _json(CONFIG_FILE, lambda d: d["model"].update(
+        grid_size=3, image_size=96)), "its 'model' settings are not the ones the weights were "
+        "exported with (edited since; only 'decode' may change)"),
 }
 #: Cases of a folder whose config.json records no digests (older exports): each file's own
 #: checks find what is wrong with it.
 NO_DIGESTS = {"missing weight", "unexpected weight", "wrong shape", "vocab too big",
-              "vocab invalid", "vocab not JSON"}
+              "vocab invalid", "vocab not JSON", "bad model config"}
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
@@ -524,3 +529,19 @@ def test_the_readmes_python_example_runs(tiny: Tiny, tmp_path: Path,
     with pytest.raises(TypeError, match=r"got JpegImageFile: for image files or PIL images, "
                                         r"pass captioning\.data\.transforms\.model_inputs"):
         model.captions(Image.open("photo.jpg"))
+
+
+def test_captions_in_training_mode_warn(tiny: Tiny) -> None:
+    """Dropout makes a training-mode model's captions change at every call: `captions()` says
+    so (a model from `from_pretrained` is in eval mode)."""
+    import warnings
+
+    assert not Captioner.from_pretrained(tiny.folder).training
+    model = Captioner(replace(NET, dropout=0.5)).eval()
+    model.vocab = tiny.vocab
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.captions(tiny.images)  # eval mode: no warning
+    with pytest.warns(UserWarning, match=r"training mode: dropout changes every call's "
+                                         r"captions; call model\.eval\(\) first"):
+        model.train().captions(tiny.images)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import numbers
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -323,6 +324,9 @@ class Captioner(nn.Module):
         if self.vocab is None:
             raise ValueError("this captioner has no vocabulary: load it with "
                              "Captioner.from_pretrained(folder), or set .vocab")
+        if self.training and self.config.dropout > 0:  # once per calling line
+            warnings.warn("captions() of a model in training mode: dropout changes every "
+                          "call's captions; call model.eval() first", stacklevel=2)
         with torch.no_grad():
             gen = self.generate(images, decode, generator=generator)
         return [" ".join(self.vocab.decode(row[:n]))

@@ -6,10 +6,11 @@ A folder holds
 * `model.safetensors`: the captioner's state dict (the names `Captioner.state_dict()` gives),
 * `config.json`: `{"format": "captioning-pretrained", "format_version": 1,
   "model": <CaptionerConfig dict>, "decode": <DecodeConfig dict>, "training": <dict>,
-  "sha256": {"model.safetensors": <hex>, "vocab.json": <hex>}}` (`training`, optional: the
-  run's loss settings, `captioning.objectives.LOSS_SETTINGS`; `sha256`, optional in older
-  folders: the files' digests, checked on reading, so that a damaged or edited file is an
-  error rather than wrong captions),
+  "sha256": {"model.safetensors": <hex>, "vocab.json": <hex>, "config.json#model": <hex>}}`
+  (`training`, optional: the run's loss settings, `captioning.objectives.LOSS_SETTINGS`;
+  `sha256`, optional in older folders: the files' digests and that of the `model` settings,
+  checked on reading, so that a damaged or edited file is an error rather than wrong captions;
+  `decode` may be edited),
 * `vocab.json`: the vocabulary in `Vocabulary.save`'s format, so that
   `--data.vocab_path DIR/vocab.json` trains or evaluates with the same words,
 * `README.md`: a model card.
@@ -40,6 +41,8 @@ FORMAT = "captioning-pretrained"
 FORMAT_VERSION = 1
 WEIGHTS_FILE, CONFIG_FILE, VOCAB_FILE, CARD_FILE = \
     "model.safetensors", "config.json", "vocab.json", "README.md"
+#: The key of the `model` settings' digest among config.json's "sha256" (`settings_digest`).
+MODEL_DIGEST = f"{CONFIG_FILE}#model"
 #: The files `read_model_folder` needs, in the order they are checked.
 REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE)
 #: The decoder's word embedding in a captioner's state dict: one row per vocabulary word.
@@ -155,7 +158,7 @@ def read_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
     except ValueError as e:
         raise PretrainedError(_one_line(e)) from None
     weights = _read_weights(path / WEIGHTS_FILE)
-    _check_digests(path, data.get("sha256"))  # after each file's own checks, more telling
+    _check_digests(path, data.get("sha256"), model)  # after each file's checks: more telling
     return ModelFolder(path, model, decode, vocab, weights, training)
 
 
@@ -210,13 +213,25 @@ def sha256_of(file: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_digests(path: Path, digests: Any) -> None:
-    """The files' SHA-256 against those config.json records (none in older folders)."""
+def settings_digest(settings: Mapping[str, Any]) -> str:
+    """SHA-256 of a settings block as canonical JSON (sorted keys, no spaces)."""
+    text = json.dumps(settings, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_digests(path: Path, digests: Any, model: Mapping[str, Any]) -> None:
+    """The files' SHA-256, and the `model` settings', against those config.json records (none
+    in older folders; no settings digest before it was recorded)."""
     if digests is None:
         return
     if not isinstance(digests, dict):
         raise PretrainedError(f"{path / CONFIG_FILE}: 'sha256' must be an object, got "
                               f"{type(digests).__name__}")
+    want = digests.get(MODEL_DIGEST)
+    if want is not None and want != settings_digest(model):
+        raise PretrainedError(
+            f"{path / CONFIG_FILE}: its 'model' settings are not the ones the weights were "
+            "exported with (edited since; only 'decode' may change): export the model again")
     for name in (WEIGHTS_FILE, VOCAB_FILE):
         want = digests.get(name)
         try:
@@ -271,7 +286,8 @@ def write_model_folder(path: str | os.PathLike[str], *, state: Mapping[str, Tens
               "model": dict(model), "decode": dict(decode),
               **({"training": dict(training)} if training else {}),
               "sha256": {WEIGHTS_FILE: hashlib.sha256(weights).hexdigest(),
-                         VOCAB_FILE: sha256_of(path / VOCAB_FILE)}}
+                         VOCAB_FILE: sha256_of(path / VOCAB_FILE),
+                         MODEL_DIGEST: settings_digest(model)}}
     write_atomic(path / CONFIG_FILE, lambda tmp: tmp.write_text(
         json.dumps(config, indent=2) + "\n", encoding="utf-8"))
     fsync_dir(path)
