@@ -156,9 +156,15 @@ def test_missing_or_refused_checkpoint(trained: Trained, tmp_path: Path, capsys)
     assert not marker.exists()
 
 
-def test_usage_errors(trained: Trained, capsys) -> None:
+def test_usage_errors(trained: Trained, tmp_path: Path, capsys) -> None:
     assert run(capsys, "--checkpoint", trained.checkpoint, "--beam-size", 0,
                trained.images[0])[0] == 2
+    (tmp_path / "a-file").write_text("x")  # --overlay naming a file: one line, not one an image
+    for folder in (tmp_path / "a-file", tmp_path / "a-file" / "ov"):
+        assert run(capsys, "--checkpoint", trained.checkpoint, "--overlay", folder,
+                   *trained.images[:2]) == (2, [], [f"error: --overlay {folder}: "
+                                                    f"{tmp_path / 'a-file'} is a file, not a "
+                                                    "folder"])
     assert main(["--no-such-option"]) == 2
     assert main(["--help"]) == 0
     capsys.readouterr()

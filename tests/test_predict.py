@@ -293,6 +293,13 @@ def test_usage_errors(trained: Trained, tmp_path: Path, capsys) -> None:
                 ("--out", tmp_path)):
         rc, err = predict(capsys, "--checkpoint", trained.checkpoint, img, "--out", out, *bad)
         assert rc == 2 and len(err) == 1, (bad, err)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for flag, value in (("--out", a_file / "c.json"), ("--overlays", a_file / "ov"),
+                        ("--overlays", a_file)):
+        rc, err = predict(capsys, "--checkpoint", trained.checkpoint, img, "--out", out,
+                          flag, value)
+        assert rc == 2 and err == [f"error: {flag} {value}: {a_file} is a file, not a folder"]
     rc, err = predict(capsys, "--checkpoint", trained.checkpoint, img, "--out", out,
                       "--precision", "17-odd", *FAST)
     assert rc == 2 and "trainer" in err[0]

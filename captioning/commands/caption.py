@@ -160,6 +160,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def output_problem(path: str | Path, *, folder: bool) -> str | None:
+    """Why `path` cannot be made (a folder with `folder`, else a file's folder): a file where
+    a folder is needed, on its way; None when nothing stands in the way."""
+    target = Path(path) if folder else Path(path).parent
+    for p in (target, *target.parents):
+        if p.exists():
+            return None if p.is_dir() else f"{p} is a file, not a folder"
+    return None
+
+
 def _checked_inputs(a: argparse.Namespace) -> Inputs | None:
     """The expanded inputs, or None after reporting why there is nothing to caption."""
     for name in ("beam_size", "max_len", "batch_size", "num_captions"):
@@ -167,6 +177,9 @@ def _checked_inputs(a: argparse.Namespace) -> Inputs | None:
         if value is not None and value < 1:
             error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
             return None
+    if a.overlay and (why := output_problem(a.overlay, folder=True)):
+        error(f"--overlay {a.overlay}: {why}")
+        return None
     if not a.inputs:
         error("no inputs: give image files, folders or glob patterns")
         return None

@@ -36,6 +36,7 @@ from captioning.commands.caption import (
     decoding_settings,
     each_file_once,
     expand_arg,
+    output_problem,
     overlay_names,
     resolved,
 )
@@ -159,6 +160,10 @@ def _checked_args(a: argparse.Namespace) -> bool:
     if Path(a.out).is_dir():
         error(f"--out {a.out}: is a folder; give the JSON file to write")
         return False
+    for flag, value, folder in (("--out", a.out, False), ("--overlays", a.overlays, True)):
+        if value and (why := output_problem(value, folder=folder)):
+            error(f"{flag} {value}: {why}")
+            return False
     if not a.inputs:
         error("no inputs: give image files, folders, glob patterns or list files")
         return False
