@@ -570,3 +570,65 @@ def test_cli_fits_gumbel_hard_attention(shapes_dm_kwargs: dict, cache_dir: Path,
     assert any(r.get("train/attn_entropy") for r in rows)
     loaded = load_checkpoint(tmp_path / "ckpt" / "last.ckpt")
     assert loaded.captioner.decoder.hard_estimator == "gumbel"
+
+
+CONCAT_SCORE = '''
+import torch
+from torch import nn
+
+from captioning.models.attention import Scorer
+
+
+class ConcatScore(Scorer):
+    """e = v^T relu(W [k; h]): a score of one's own, outside the package."""
+
+    def __init__(self, *, feature_dim, hidden_dim, attn_dim, n_layers=1):
+        super().__init__(key_dim=attn_dim, n_layers=n_layers)
+        self.key = nn.Linear(feature_dim, attn_dim)
+        self.mix = nn.Linear(attn_dim + hidden_dim, attn_dim)
+        self.v = nn.Linear(attn_dim, 1, bias=False)
+
+    def forward(self, keys, h, *, keys_grad=None, rows=None, query=None):
+        keys = self.running_keys(keys, h.size(0), rows)
+        hh = h.unsqueeze(1).expand(-1, keys.size(1), -1)
+        return self.v(torch.relu(self.mix(torch.cat([keys, hh], -1)))).squeeze(-1)
+'''
+
+
+def test_a_score_of_ones_own_by_its_import_path(shapes_dm_kwargs: dict, cache_dir: Path,
+                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`net.score` takes the import path of a `Scorer` subclass outside the package: it trains
+    through the CLI, every parameter gets a gradient, the checkpoint records the path and loads
+    it again; a path that does not import, or names no Scorer, is one line."""
+    (tmp_path / "my_scores.py").write_text(CONCAT_SCORE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = CaptionerConfig(vocab_size=12, backbone="resnet18", weights=None, grid_size=2,
+                             image_size=64, embed_dim=8, hidden_dim=8, attn_dim=8,
+                             score="my_scores.ConcatScore")
+    captioner = Captioner(config)
+    assert type(captioner.decoder.attention).__name__ == "ConcatScore"
+    feats = torch.randn(2, 4, captioner.encoder.dim)
+    caps = torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]])
+    out = captioner.decoder(feats, caps, torch.tensor([4, 3]))
+    out.logits.logsumexp(-1).sum().backward()
+    attention = captioner.decoder.attention
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in attention.parameters())
+
+    cfg = cli_config(tmp_path / "fit.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    assert main(["fit", "--config", str(cfg), "--model.net.score", "my_scores.ConcatScore"]) == 0
+    loaded = load_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert loaded.config.score == "my_scores.ConcatScore"
+    assert type(loaded.captioner.decoder.attention).__name__ == "ConcatScore"
+    capsys.readouterr()
+    for bad, why in (("my_scores.Missing", "cannot import it (AttributeError"),
+                     ("no_such_module.Score", "cannot import it (ModuleNotFoundError"),
+                     ("torch.nn.Linear", "is not a subclass of captioning.models.attention."
+                                         "Scorer"),
+                     ("cosine", "must be one of ['additive', 'dot', 'general', 'scaled_dot'] "
+                                "or the import path of a Scorer subclass")):
+        assert main(["fit", "--config", str(cfg), "--model.net.score", bad]) == 2
+        (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+        assert line.startswith(f"error: net.score {bad!r}" if "." in bad else
+                               "error: net.score must be one of") and why in line, line
+    assert not (tmp_path / "ckpt.previous").exists()  # a refused fit sets nothing aside

@@ -264,6 +264,10 @@ class CaptioningCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+        cfg = self.config[subcommand]
+        if subcommand == "fit" and not cfg.get("ckpt_path") and rank_zero_only.rank == 0:
+            # once every setting is accepted: a refused command moves nothing
+            set_aside_earlier_checkpoints(cfg.get("trainer", {}), cfg.get("model.init_from"))
         try:
             super()._run_subcommand(subcommand)
         except MisconfigurationException as e:
@@ -386,8 +390,6 @@ class CaptioningCLI(LightningCLI):
             for folder in folders_outside(cfg.get("trainer", {}), root):
                 self._claims.enter_context(claim_folder(folder, what="checkpoint folder",
                                                         beside=True))
-        if self.subcommand == "fit" and not cfg.get("ckpt_path") and rank_zero_only.rank == 0:
-            set_aside_earlier_checkpoints(cfg.get("trainer", {}), cfg.get("model.init_from"))
         self._use_checkpoint_vocab(cfg)
         self._apply_init_from()
         logger = cfg.get("trainer", {}).get("logger")

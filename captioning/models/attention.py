@@ -10,7 +10,8 @@ A scorer gives e_ti = f_att(a_i, h_{t-1}) (Eq. 4); `select` turns the scores int
           softmax((log α_t + g) / τ) in the backward pass (straight-through Gumbel-softmax,
           Jang et al. 2017; Maddison et al. 2017), g ~ Gumbel(0, 1)
 
-Scorers (`SCORERS`, the config's `net.score`): the paper's additive f_att (Bahdanau et al. 2015),
+Scorers (`SCORERS`, the config's `net.score`): the paper's f_att, an MLP conditioned on h_{t-1},
+in the additive form of capgen.py and Bahdanau et al. (2015),
 Luong et al.'s (2015) dot and general (bilinear) scores, and the Transformer's scaled dot product.
 Each projects the annotations once per image (`project`, the decoder's `Memory.keys`); decoding
 never re-projects the grid.
@@ -18,6 +19,7 @@ never re-projects the grid.
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -33,7 +35,6 @@ from captioning.models.state import grid_dtype
 
 WeightRule = Literal["expected", "sample", "argmax"]  # decode-time rules (`net.hard_decode`)
 SelectRule = Literal["expected", "sample", "argmax", "gumbel"]  # every rule of `select`
-ScoreKind = Literal["additive", "dot", "general", "scaled_dot"]
 Anneal = Literal["constant", "linear", "exponential"]
 
 LOG_EPS = 1e-8  # floor on α before the log, so log p(s|a) and H stay finite
@@ -233,7 +234,7 @@ class GeneralAttention(Scorer):
         return torch.bmm(keys, h.unsqueeze(2)).squeeze(2)  # (b, L)
 
 
-#: Scorers by their `net.score` config value.
+#: Scorers by their `net.score` config value (which may also be a class's import path).
 SCORERS: dict[str, type[Scorer]] = {
     "additive": AdditiveAttention,
     "dot": DotAttention,
@@ -242,13 +243,31 @@ SCORERS: dict[str, type[Scorer]] = {
 }
 
 
+def scorer_class(score: str) -> type[Scorer]:
+    """The scorer class `score` names: a key of `SCORERS`, or the import path of a `Scorer`
+    subclass of one's own (`my_project.attention.MyScore`), built with the keyword arguments
+    SCORERS' classes take (feature_dim, hidden_dim, attn_dim, n_layers). Raises ValueError."""
+    if score in SCORERS:
+        return SCORERS[score]
+    module, _, name = score.rpartition(".")
+    if not module:
+        raise ValueError(f"score must be one of {sorted(SCORERS)} or the import path of a "
+                         f"Scorer subclass (package.module.Class), got {score!r}")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"score {score!r}: cannot import it ({type(e).__name__}: {e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Scorer)):
+        raise ValueError(f"score {score!r} is not a subclass of "
+                         "captioning.models.attention.Scorer")
+    return cls
+
+
 def build_scorer(score: str, *, feature_dim: int, hidden_dim: int, attn_dim: int,
                  n_layers: int = 1) -> Scorer:
-    """The scorer named `score` (a key of `SCORERS`)."""
-    if score not in SCORERS:
-        raise ValueError(f"score must be one of {sorted(SCORERS)}, got {score!r}")
-    return SCORERS[score](feature_dim=feature_dim, hidden_dim=hidden_dim, attn_dim=attn_dim,
-                          n_layers=n_layers)
+    """The scorer `score` names (`scorer_class`)."""
+    return scorer_class(score)(feature_dim=feature_dim, hidden_dim=hidden_dim,
+                               attn_dim=attn_dim, n_layers=n_layers)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from captioning.choices import check_choice
-from captioning.models.attention import Anneal, GumbelSchedule, ScoreKind, WeightRule
+from captioning.models.attention import Anneal, GumbelSchedule, WeightRule, scorer_class
 from captioning.models.decoder import (
     AttentionKind,
     AttentionLSTMDecoder,
@@ -149,7 +149,7 @@ class CaptionerConfig(_PlainConfig):
     gumbel_tau_end: float = 0.5
     gumbel_anneal: Anneal = "exponential"
     gumbel_anneal_steps: int = 0
-    score: ScoreKind = "additive"
+    score: str = "additive"  # a name in SCORERS, or a Scorer subclass's import path
     n_layers_att: int = 1
     n_layers_init: int = 1
 
@@ -157,7 +157,10 @@ class CaptionerConfig(_PlainConfig):
         """Refuse impossible values at construction, before any weights load (one line)."""
         check_whole("net", self, ("embed_dim", "hidden_dim", "attn_dim", "image_size",
                                   "n_layers_att", "n_layers_init"))
-        check_choice("net.score", self.score, ScoreKind)
+        try:
+            scorer_class(self.score)
+        except ValueError as e:
+            raise ValueError(f"net.{e}") from None
         if self.vocab_size < 0 or (self.grid_size is not None and self.grid_size < 1):
             raise ValueError(f"net.vocab_size must be >= 0 and net.grid_size >= 1 (or null), "
                              f"got {self.vocab_size} and {self.grid_size}")

@@ -41,7 +41,6 @@ import captioning.models.native as native
 from captioning.choices import check_choice
 from captioning.models.attention import (
     GumbelSchedule,
-    ScoreKind,
     Selection,
     SelectRule,
     WeightRule,
@@ -96,7 +95,7 @@ class AttentionLSTMDecoder(nn.Module):
         semi_sampling_grad: SemiSamplingGrad = "paper",
         hard_estimator: HardEstimator = "reinforce",
         gumbel: GumbelSchedule | None = None,
-        score: ScoreKind = "additive",
+        score: str = "additive",
         n_layers_att: int = 1,
         n_layers_init: int = 1,
     ) -> None:
