@@ -75,7 +75,7 @@ def test_tiny_grid_end_to_end_with_a_failing_variant_and_resume(tiny_grid: Path)
         assert 0 < float(r["alpha_entropy"]) <= math.log(16) + 1e-6  # a 4x4 grid at 64 px
         assert 0 < float(r["train_seconds"]) < float(r["seconds"])
     for r in rows[4:]:
-        assert r["error"].startswith("--model.net.score: invalid value 'bogus'"), r["error"]
+        assert r["error"].startswith("net.score must be one of") and "'bogus'" in r["error"]
         assert r["BLEU-4"] == ""
 
     table = Path("out/table.md").read_text()
@@ -84,7 +84,7 @@ def test_tiny_grid_end_to_end_with_a_failing_variant_and_resume(tiny_grid: Path)
     dot_line = next(ln for ln in table.splitlines() if ln.startswith("| soft/dot |"))
     assert "| 2/2 |" in dot_line and expected in dot_line
     assert next(ln for ln in table.splitlines() if ln.startswith("| bad |")).count("–") == 4
-    assert "Failed cells: 2." in table and "- bad seed 1: --model.net.score: invalid" in table
+    assert "Failed cells: 2." in table and "- bad seed 1: net.score must be one of" in table
     with Image.open("out/plot.png") as img:
         assert img.format == "PNG" and img.width > 300 and img.height > 100
     test_metrics = Path("runs/soft/dot/seed0/test_metrics.json")

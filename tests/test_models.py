@@ -391,3 +391,8 @@ def test_hard_attention_fields_another_attention_ignores_are_named(
         with caplog.at_level("WARNING", logger="captioning.models.captioner"):
             Captioner(CaptionerConfig(**base, **fields_))
         assert caplog.messages == ([message] if message else []), fields_
+    from dataclasses import fields
+
+    from captioning.models.captioner import GUMBEL_ONLY, HARD_ONLY
+
+    assert {*HARD_ONLY, *GUMBEL_ONLY} < {f.name for f in fields(CaptionerConfig)}

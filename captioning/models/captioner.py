@@ -115,6 +115,13 @@ class DecodeConfig(_PlainConfig):
                              f"sample), got {self.num_captions}")
 
 
+#: CaptionerConfig's fields that only hard attention reads, and those only its Gumbel estimator
+#: reads (`CaptionerConfig.unused`); a new field of either kind is listed here.
+HARD_ONLY = ("hard_decode", "semi_sampling_prob", "semi_sampling", "semi_sampling_grad",
+             "hard_estimator")
+GUMBEL_ONLY = ("gumbel_tau_start", "gumbel_tau_end", "gumbel_anneal", "gumbel_anneal_steps")
+
+
 @dataclass(frozen=True)
 class CaptionerConfig(_PlainConfig):
     """Everything needed to rebuild a Captioner; stored as a plain dict in checkpoints.
@@ -182,10 +189,9 @@ class CaptionerConfig(_PlainConfig):
     def unused(self) -> list[str]:
         """The hard-attention fields set away from their defaults that this attention ignores:
         all of them with soft attention, the Gumbel ones with REINFORCE."""
-        names = [f.name for f in fields(self) if f.name.startswith(("hard_", "semi_", "gumbel_"))]
+        names = [*HARD_ONLY, *GUMBEL_ONLY]
         if self.attention == "hard":
-            names = [n for n in names if n.startswith("gumbel_")] \
-                if self.hard_estimator == "reinforce" else []
+            names = list(GUMBEL_ONLY) if self.hard_estimator == "reinforce" else []
         defaults = {f.name: f.default for f in fields(self)}
         return [f"net.{n} {getattr(self, n)!r}" for n in names if getattr(self, n) != defaults[n]]
 
