@@ -1,7 +1,6 @@
-"""CaptioningModule: the thin LightningModule around a pure-torch Captioner: steps, epoch
-ends, optimisers. Losses come from `captioning.objectives`, decoding from `Captioner.generate`,
-metrics and result files from `captioning.evaluation`, checkpoint extras from
-`captioning.checkpoint`. The data module holds the data; checkpoints store the vocabulary."""
+"""CaptioningModule, the thin LightningModule around a pure-torch Captioner: steps, epoch ends,
+optimisers. Losses: `captioning.objectives`; decoding: `Captioner.generate`; metrics and results:
+`captioning.evaluation`; checkpoint extras (the vocabulary too): `captioning.checkpoint`."""
 
 from __future__ import annotations
 
@@ -236,10 +235,11 @@ class CaptioningModule(L.LightningModule):
 
     def _eval_step(self, batch: Any, prefix: str) -> None:
         features = self.captioner.encode(batch.images)
-        parts = self.losses(batch, features)
-        bs = batch.captions.size(0)
-        self.log(f"{prefix}/loss", parts["loss"], batch_size=bs, sync_dist=True, prog_bar=True)
-        self.log(f"{prefix}/nll_per_word", parts["nll_per_word"], batch_size=bs, sync_dist=True)
+        parts, bs = self.losses(batch, features), batch.captions.size(0)
+        for name in ("loss", "nll_per_word", "attn_entropy"):  # as each objective gives them
+            if name in parts:
+                self.log(f"{prefix}/{name}", parts[name], batch_size=bs, sync_dist=True,
+                         prog_bar=name == "loss")
         if not self.hparams.compute_metrics or self.vocab is None:
             return
         gen = self.generate(features)

@@ -68,6 +68,15 @@ def reinforce_loss(
     return -(advantage * attn_log_probs * mask).sum(dim=1).mean()  # log p(s̃|a) = Σ_t log α
 
 
+def mean_alpha_entropy(alphas: Tensor, mask: Tensor) -> Tensor:
+    """The mean entropy H[α_t] in nats over the real steps, a statistic (no gradient): low for
+    attention that picks a few locations, log L for a uniform α over L."""
+    with torch.no_grad():
+        a = alphas.float()
+        h = -(a * a.clamp_min(1e-12).log()).sum(dim=-1)  # (B, T)
+        return (h * mask).sum() / mask.sum().clamp_min(1)
+
+
 def entropy_bonus(attn_entropy: Tensor, mask: Tensor) -> Tensor:
     """Σ_t H[s_t] over real steps, averaged over captions; subtract it to raise entropy."""
     return (attn_entropy * mask).sum(dim=1).mean()

@@ -43,6 +43,7 @@ from captioning.losses import (
     caption_word_log_likelihoods,
     doubly_stochastic_penalty,
     entropy_bonus,
+    mean_alpha_entropy,
     reinforce_loss,
     reward_to_go,
 )
@@ -94,6 +95,7 @@ class MaximumLikelihood(Objective):
             "nll_per_word": -loglik.sum() / mask.sum().clamp_min(1),
             "doubly_stochastic": penalty,
             "loss": nll + self.doubly_stochastic * penalty,
+            "attn_entropy": mean_alpha_entropy(out.alphas, mask),  # hard: its own, the same
         }
         return parts, word_ll, mask
 

@@ -104,6 +104,7 @@ def test_demo_config_shrunk_fits(attention: str, shapes_root: Path, tmp_path: Pa
     assert len(ckpt["captioning_vocab"]["words"]) > 4
     csv = next(tmp_path.rglob("metrics.csv")).read_text()
     assert "val/BLEU-4" in csv and "train/loss" in csv
+    assert "train/attn_entropy" in csv and "val/attn_entropy" in csv  # soft and hard alike
     assert list(tmp_path.rglob("offline-run-*")), "the W&B offline run is inside the run folder"
     if attention == "hard":
         assert "train/advantage" in csv and "train/attn_entropy" in csv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -122,7 +123,17 @@ def test_maximum_likelihood_is_the_nll_plus_the_penalty() -> None:
     captioner = _captioner("soft")
     parts = MaximumLikelihood(doubly_stochastic=0.3)(captioner, torch.randn(3, L, D), _batch())
     torch.testing.assert_close(parts["loss"], parts["nll"] + 0.3 * parts["doubly_stochastic"])
-    assert set(parts) == {"loss", "nll", "nll_per_word", "doubly_stochastic"}
+    assert set(parts) == {"loss", "nll", "nll_per_word", "doubly_stochastic", "attn_entropy"}
+    # α's mean entropy over the real steps, by hand: a statistic, with no gradient
+    batch = _batch()
+    out = captioner.decoder(torch.randn(3, L, D), batch.captions, batch.lengths)
+    steps = (batch.lengths - 1).tolist()
+    alphas = out.alphas.detach()
+    by_hand = [float(-(a * a.log()).sum()) for b, n in enumerate(steps) for a in alphas[b, :n]]
+    entropy = MaximumLikelihood().likelihood(out, batch)[0]["attn_entropy"]
+    assert not entropy.requires_grad
+    assert float(entropy) == pytest.approx(sum(by_hand) / len(by_hand), rel=1e-5)
+    assert 0 < float(entropy) < math.log(L)
 
 
 def test_settings_an_objective_ignores_are_named(caplog: pytest.LogCaptureFixture) -> None:
