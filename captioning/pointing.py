@@ -34,9 +34,9 @@ def _word_sets(
     return set(object_words), set(color_words), set(modifier_words)
 
 
-def _attention_peaks(alpha: Any, i: int, n_words: int, n_cells: int) -> list[int]:
-    """Flat index of the argmax cell of each of the first `n_words` rows of the (T, L)
-    attention `alpha` of caption `i`."""
+def _attention_peaks(alpha: Any, i: int, n_words: int, n_cells: int) -> list[list[int]]:
+    """Flat indices of the argmax cells of each of the first `n_words` rows of the (T, L)
+    attention `alpha` of caption `i`: one, or every cell of a tie (a uniform α: all)."""
     import torch
 
     a = torch.as_tensor(alpha)  # (T, L)
@@ -44,7 +44,9 @@ def _attention_peaks(alpha: Any, i: int, n_words: int, n_cells: int) -> list[int
         raise ValueError(
             f"alphas[{i}] must be (T >= {n_words}, L = {n_cells}), got {tuple(a.shape)}"
         )
-    return a[:n_words].float().argmax(dim=1).tolist()
+    a = a[:n_words].float()
+    top = a == a.max(dim=1, keepdim=True).values  # (T, L)
+    return [row.nonzero().flatten().tolist() for row in top]
 
 
 def _referred_objects(
@@ -103,7 +105,7 @@ def pointing_accuracy(
     object_words: Iterable[str] | None = None,
     color_words: Iterable[str] | None = None,
     modifier_words: Iterable[str] | None = None,
-) -> tuple[float, int, int]:
+) -> tuple[float, float, int]:
     """How often the attention peak falls on the object a generated word names.
 
     words[i][t] is the t-th generated word of caption i and alphas[i][t] (L = gh*gw weights,
@@ -124,7 +126,9 @@ def pointing_accuracy(
     [c/gw, (c+1)/gw) x [r/gh, (r+1)/gh) of the input; the word is a hit when this rectangle
     and the box of a referred object overlap with positive area (intersection, not
     containment: with coarse grids such as 7x7 one cell is a large region, and a small object
-    may lie wholly inside it or straddle several cells).
+    may lie wholly inside it or straddle several cells). Where several cells tie for the
+    peak, the word counts the share of them that hit: a uniform α scores the chance level,
+    not whether the first cell happens to hit.
 
     Returns (hits / scored, hits, scored); accuracy is NaN when nothing was scored.
     """
@@ -136,7 +140,7 @@ def pointing_accuracy(
             f"{len(words)}, {len(alphas)}, {len(boxes)}"
         )
 
-    hits = scored = 0
+    hits, scored = 0.0, 0
     for i, caption in enumerate(words):
         if not caption:
             continue
@@ -146,6 +150,6 @@ def pointing_accuracy(
             if not referred:
                 continue
             scored += 1
-            if _cell_overlaps_any(divmod(peaks[t], gw), grid, referred):
-                hits += 1
+            on = [_cell_overlaps_any(divmod(c, gw), grid, referred) for c in peaks[t]]
+            hits += sum(on) / len(on)
     return (hits / scored if scored else math.nan), hits, scored

@@ -50,6 +50,18 @@ def test_pointing_overlap_not_containment() -> None:
     assert pa(words, [alpha_rows(1)], edge)[1] == 1
 
 
+def test_tied_peaks_count_the_share_of_them_that_hit() -> None:
+    """A uniform α (every cell tied) scores the share of cells on the object, the chance
+    level, wherever the object lies; a two-way tie with one cell on it scores a half."""
+    words = [["a", "circle"]]
+    uniform = torch.full((2, 4), 0.25)
+    for corner in ((0.05, 0.05), (0.6, 0.6)):  # top-left, then bottom-right: the same score
+        boxes = [[box("red", "circle", *corner, 0.3, 0.3)]]
+        assert pa(words, [uniform], boxes) == (0.25, 0.25, 1)
+    two = torch.tensor([[0.25] * 4, [0.4, 0.1, 0.1, 0.4]])  # cells 0 and 3 tie at step 1
+    assert pa(words, [two], [[box("red", "circle", 0.05, 0.05, 0.3, 0.3)]]) == (0.5, 0.5, 1)
+
+
 def test_pointing_colour_disambiguation_and_plurals() -> None:
     boxes = [[box("red", "circle", 0.05, 0.05, 0.3, 0.3),   # top-left
               box("blue", "circle", 0.6, 0.6, 0.3, 0.3),    # bottom-right
