@@ -237,9 +237,9 @@ def test_the_shipped_attention_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     (dry runs)."""
     monkeypatch.chdir(tmp_path)
     assert main(["ablate", "--grid", "attention", "--dry-run"]) == 0
-    assert "27 cells; results in runs/ablations/attention\n" in capsys.readouterr().out
+    assert "30 cells; results in runs/ablations/attention\n" in capsys.readouterr().out
     assert main(["ablate", "--out", "docs/ablations/attention", "--dry-run"]) == 0
-    assert "27 cells; results in docs/ablations/attention\n" in capsys.readouterr().out
+    assert "30 cells; results in docs/ablations/attention\n" in capsys.readouterr().out
     assert main(["ablate", "--only", "soft/dot", "--seeds", "0,1", "--dry-run"]) == 0
     assert "2 cells" in capsys.readouterr().out
     assert main(["ablate", "--only", "soft/nope", "--dry-run"]) == 2
@@ -247,7 +247,7 @@ def test_the_shipped_attention_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     grid = load_grid(find_grid("attention"))
     assert find_grid("attention") == GRID_DIR / "attention.yaml"
     assert grid.seeds == (0, 1, 2)
-    assert {"soft/additive", "soft/dot", "soft/general", "soft/scaled_dot",
+    assert {"soft/additive", "soft/dot", "soft/general", "soft/scaled_dot", "soft/sparsemax",
             "hard/reinforce/sequence/paper", "hard/reinforce/sequence/detached",
             "hard/reinforce/expected"} <= set(grid.variants)
     assert any(v.startswith("hard/gumbel/tau") for v in grid.variants)

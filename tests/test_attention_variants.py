@@ -31,6 +31,7 @@ from captioning.models.attention import (
     build_scorer,
     sample_gumbel,
     select,
+    sparsemax,
 )
 from captioning.models.packing import PackedSteps
 from captioning.objectives import (
@@ -181,6 +182,54 @@ def test_beam_search_with_every_score(score: str, attention: str, hard_decode: s
     torch.testing.assert_close(rescored, gen.scores, atol=1e-4, rtol=1e-4)
     emitted = target_mask(n + 1, gen.alphas.size(1))
     torch.testing.assert_close(gen.alphas[emitted].sum(-1), torch.ones(int(emitted.sum())))
+
+
+# -- sparsemax -----------------------------------------------------------------------------------
+def test_sparsemax_projects_onto_the_simplex_with_its_known_jacobian() -> None:
+    """α = max(e − τ, 0) sums to one with exact zeros; ties and a dominant score give the
+    uniform and the one-hot α; the gradient is δ_ij − 1/|S| on the support S, 0 off it."""
+    torch.testing.assert_close(sparsemax(torch.tensor([[1.0, 0.8, 0.1, -1.0]])),
+                               torch.tensor([[0.6, 0.4, 0.0, 0.0]]))
+    assert torch.equal(sparsemax(torch.zeros(1, 4)), torch.full((1, 4), 0.25))
+    assert torch.equal(sparsemax(torch.tensor([[3.0, 0.0, 0.0]])), torch.tensor([[1.0, 0, 0]]))
+    torch.manual_seed(4)
+    e = torch.randn(5, 9) * 2
+    a = sparsemax(e)
+    torch.testing.assert_close(a.sum(-1), torch.ones(5))
+    assert bool((a >= 0).all()) and bool((a == 0).any())
+    for row in range(5):
+        jac = torch.autograd.functional.jacobian(lambda x: sparsemax(x[None])[0], e[row])
+        support = (a[row] > 0).float()
+        want = (torch.diag(support) - torch.outer(support, support) / support.sum())
+        torch.testing.assert_close(jac, want)
+
+
+@pytest.mark.parametrize("fast_path", ["off", "native"])
+def test_sparsemax_attention_trains_and_decodes(fast_path: str) -> None:
+    """`normalizer: sparsemax` (soft attention): the teacher-forced α are sparse
+    distributions, every parameter learns, and beam search rescoring matches the pass; hard
+    attention refuses it."""
+    torch.manual_seed(5)
+    model = captioner(normalizer="sparsemax", attn_dim=16).train()
+    model.decoder.use_fast_path(fast_path)
+    b = batch(2)
+    out = model.decoder(b.images, b.captions, b.lengths)
+    alphas = out.alphas[target_mask(b.lengths, out.alphas.size(1))]
+    torch.testing.assert_close(alphas.sum(-1), torch.ones(len(alphas)))
+    assert bool((alphas == 0).any())  # sparse: some locations get exactly nothing
+    MaximumLikelihood()(model, b.images, b)["loss"].backward()
+    assert all(nonzero_grads(model.decoder).values())
+    model.eval()
+    with torch.no_grad():
+        gen = model.generate(b.images[:3], DecodeConfig(beam_size=3, max_len=6))
+        caps = torch.cat([torch.full((3, 1), START), gen.tokens], dim=1)
+        teacher = model.decoder(b.images[:3], caps, gen.lengths + 1)
+        logp = F.log_softmax(teacher.logits, -1).gather(
+            -1, gen.tokens[:, : teacher.logits.size(1), None])[..., 0]
+    rescored = (logp * target_mask(gen.lengths + 1, logp.size(1))).sum(1)
+    torch.testing.assert_close(rescored, gen.scores, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="normalizer 'sparsemax' is for soft attention"):
+        captioner(normalizer="sparsemax", attention="hard")
 
 
 # -- Gumbel-softmax straight-through ------------------------------------------------------------

@@ -36,6 +36,7 @@ from captioning.models.state import grid_dtype
 WeightRule = Literal["expected", "sample", "argmax"]  # decode-time rules (`net.hard_decode`)
 SelectRule = Literal["expected", "sample", "argmax", "gumbel"]  # every rule of `select`
 Anneal = Literal["constant", "linear", "exponential"]
+Normalizer = Literal["softmax", "sparsemax"]  # e_t -> α_t (`net.normalizer`)
 
 LOG_EPS = 1e-8  # floor on α before the log, so log p(s|a) and H stay finite
 
@@ -327,11 +328,26 @@ def gumbel_straight_through(log_alpha: Tensor, tau: float | Tensor,
     return y_hard + (y_soft - y_soft.detach()), loc
 
 
+def sparsemax(scores: Tensor) -> Tensor:
+    """α = max(e − τ(e), 0): the Euclidean projection of the scores (B, L) onto the simplex
+    (Martins & Astudillo 2016), in float32. Exactly zero outside a support; the gradient
+    (autograd's, through the sort) is δ_ij − 1/|S| on the support S, zero elsewhere."""
+    z = scores.float()
+    z_sorted = z.sort(dim=-1, descending=True).values
+    k = torch.arange(1, z.size(-1) + 1, device=z.device, dtype=z.dtype)
+    cumsum = z_sorted.cumsum(dim=-1)
+    k_max = (1 + k * z_sorted > cumsum).sum(dim=-1, keepdim=True)  # |S| >= 1: the top score
+    tau = (cumsum.gather(-1, k_max - 1) - 1) / k_max.to(z.dtype)
+    return torch.clamp(z - tau, min=0)
+
+
 def select(scores: Tensor, rule: SelectRule, *, tau: float | Tensor = 1.0,
-           noise: Tensor | None = None) -> Selection:
-    """α_t = softmax(e_t) (Eq. 5), then the weights by `rule` (`tau` and the Gumbel `noise`
-    (B, L) apply to the gumbel rule; fresh noise when None)."""
-    alpha = F.softmax(scores, dim=-1, dtype=torch.float32)  # (B, L), float32 under autocast
+           noise: Tensor | None = None, normalizer: Normalizer = "softmax") -> Selection:
+    """α_t = softmax(e_t) (Eq. 5), or `sparsemax` (soft attention only), then the weights by
+    `rule` (`tau` and the Gumbel `noise` (B, L) apply to the gumbel rule; fresh noise when
+    None)."""
+    alpha = sparsemax(scores) if normalizer == "sparsemax" else \
+        F.softmax(scores, dim=-1, dtype=torch.float32)  # (B, L), float32 under autocast
     if rule == "expected":
         return Selection(alpha, alpha, alpha.argmax(-1), None, None)
     if rule == "argmax":

@@ -22,16 +22,14 @@ import torch
 from torch import Tensor, nn
 
 from captioning.choices import check_choice
-from captioning.models.attention import Anneal, GumbelSchedule, WeightRule, scorer_class
-from captioning.models.decoder import (
-    AttentionKind,
-    AttentionLSTMDecoder,
-    DecoderOutput,
-    HardEstimator,
-    SemiSampling,
-    SemiSamplingGrad,
-    check_settings,
+from captioning.models.attention import (
+    Anneal,
+    GumbelSchedule,
+    Normalizer,
+    WeightRule,
+    scorer_class,
 )
+from captioning.models.decoder import AttentionLSTMDecoder, DecoderOutput
 from captioning.models.decoding import (
     Generation,
     SpecialIds,
@@ -48,6 +46,13 @@ from captioning.models.pretrained import (
     write_model_folder,
 )
 from captioning.models.repeats import per_distinct_row
+from captioning.models.settings import (
+    AttentionKind,
+    HardEstimator,
+    SemiSampling,
+    SemiSamplingGrad,
+    check_settings,
+)
 from captioning.models.state import grid_dtype
 from captioning.vocab import Vocabulary
 
@@ -159,6 +164,7 @@ class CaptionerConfig(_PlainConfig):
     score: str = "additive"  # a name in SCORERS, or a Scorer subclass's import path
     n_layers_att: int = 1
     n_layers_init: int = 1
+    normalizer: Normalizer = "softmax"
 
     def __post_init__(self) -> None:
         """Refuse impossible values at construction, before any weights load (one line)."""
@@ -178,7 +184,8 @@ class CaptionerConfig(_PlainConfig):
                            semi_sampling=self.semi_sampling,
                            semi_sampling_prob=self.semi_sampling_prob,
                            semi_sampling_grad=self.semi_sampling_grad,
-                           hard_estimator=self.hard_estimator, n_layers_init=self.n_layers_init)
+                           hard_estimator=self.hard_estimator, n_layers_init=self.n_layers_init,
+                           normalizer=self.normalizer)
         except ValueError as e:
             raise ValueError(f"net.{e}") from None
         if self.gumbel_anneal_steps < 0:
@@ -251,6 +258,7 @@ class Captioner(nn.Module):
             score=config.score,
             n_layers_att=config.n_layers_att,
             n_layers_init=config.n_layers_init,
+            normalizer=config.normalizer,
         )
         unused = config.unused()
         if unused:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +40,7 @@ import captioning.models.native as native
 from captioning.choices import check_choice
 from captioning.models.attention import (
     GumbelSchedule,
+    Normalizer,
     Selection,
     SelectRule,
     WeightRule,
@@ -57,12 +57,14 @@ from captioning.models.pass_grads import (
     lstm_pass_weights,
 )
 from captioning.models.repeats import per_distinct_row, repeated_rows
+from captioning.models.settings import (
+    AttentionKind,
+    HardEstimator,
+    SemiSampling,
+    SemiSamplingGrad,
+    check_settings,
+)
 from captioning.models.state import DecoderState, Memory, grid_dtype
-
-AttentionKind = Literal["soft", "hard"]
-SemiSampling = Literal["image", "batch"]
-SemiSamplingGrad = Literal["paper", "detached"]
-HardEstimator = Literal["reinforce", "gumbel"]
 
 
 @dataclass
@@ -98,12 +100,14 @@ class AttentionLSTMDecoder(nn.Module):
         score: str = "additive",
         n_layers_att: int = 1,
         n_layers_init: int = 1,
+        normalizer: Normalizer = "softmax",
     ) -> None:
         super().__init__()
         check_settings(attention=attention, hard_decode=hard_decode, semi_sampling=semi_sampling,
                        semi_sampling_prob=semi_sampling_prob,
                        semi_sampling_grad=semi_sampling_grad, hard_estimator=hard_estimator,
-                       n_layers_init=n_layers_init)
+                       n_layers_init=n_layers_init, normalizer=normalizer)
+        self.normalizer: Normalizer = normalizer
         self.vocab_size = vocab_size
         self.attention_kind: AttentionKind = attention
         self.hard_decode: WeightRule = hard_decode
@@ -226,7 +230,7 @@ class AttentionLSTMDecoder(nn.Module):
         # e_ti = f_att(a_i, h_{t-1}) (Eq. 4)
         scores = self.attention(memory.keys, h, keys_grad=keys_grad, rows=memory.rows,
                                 query=query)
-        sel = select(scores, rule, tau=self.tau)  # α_t (Eq. 5) and the weights
+        sel = select(scores, rule, tau=self.tau, normalizer=self.normalizer)  # α_t (Eq. 5)
         weights = sel.weights
         if use_expected is not None:
             # Semi-sampling (§4.1): these captions use the expected context, s̃_t = α_t. `paper`
@@ -422,22 +426,6 @@ class AttentionLSTMDecoder(nn.Module):
             return logits, alpha, None, None
         return (logits, alpha, torch.where(mask, torch.stack(trace.log_ps, 1), 0.0),
                 torch.where(mask, torch.stack(trace.ents, 1), 0.0))
-
-
-def check_settings(*, attention: str, hard_decode: str, semi_sampling: str,
-                   semi_sampling_prob: float, semi_sampling_grad: str, hard_estimator: str,
-                   n_layers_init: int) -> None:
-    """Refuse a setting the decoder does not know, naming it (`CaptionerConfig` names it
-    `net.<name>`)."""
-    check_choice("attention", attention, AttentionKind)
-    check_choice("hard_decode", hard_decode, WeightRule)
-    check_choice("semi_sampling", semi_sampling, SemiSampling)
-    check_choice("semi_sampling_grad", semi_sampling_grad, SemiSamplingGrad)
-    check_choice("hard_estimator", hard_estimator, HardEstimator)
-    if not 0.0 <= semi_sampling_prob <= 1.0:
-        raise ValueError(f"semi_sampling_prob must be in [0, 1], got {semi_sampling_prob}")
-    if n_layers_init < 1:
-        raise ValueError(f"n_layers_init must be >= 1, got {n_layers_init}")
 
 
 def _init_trunk(dim: int, n_layers: int, dropout: float) -> nn.Sequential:
