@@ -160,3 +160,29 @@ def test_the_module_sets_the_fast_path_up_once(eager_compile: list[dict[str, Any
     module.setup("validate")  # once only
     assert eager_compile == [{"dynamic": False, "mode": None}]
     assert module.captioner.decoder.fast_bucket == 4
+
+
+@pytest.mark.parametrize("kw", [{"output_tanh": True}, {"normalizer": "sparsemax"}])
+def test_the_model_options_take_every_path_alike(eager_compile: list[dict[str, Any]],
+                                                 kw: dict[str, Any]) -> None:
+    """capgen.py's tanh on the deep output and sparsemax attention: the fixed-shape and native
+    passes equal the eager loop, and the step API's logits equal the teacher-forced ones."""
+    feats, caps, lengths = batch([4, 7, 2, 7, 5, 3])
+    dec = decoder(**kw)
+    eager = loss_and_grads(dec, feats, caps, lengths)
+    for mode in ("compile", "native"):
+        dec.use_fast_path(mode)
+        assert_same(dec, eager, loss_and_grads(dec, feats, caps, lengths))
+    dec.use_fast_path("off")
+    with torch.no_grad():  # one word at a time, as decoding runs
+        memory = dec.memory(feats)
+        state = dec.init_state(memory)
+        for t in range(3):
+            log_probs, state, alpha = dec.step(caps[:, t], state, memory)
+            live = lengths - 1 > t
+            torch.testing.assert_close(log_probs[live],
+                                       eager[0].logits[live, t].log_softmax(-1))
+            torch.testing.assert_close(alpha[live], eager[0].alphas[live, t])
+    if kw.get("output_tanh"):  # L_o(tanh(E y + L_h h + L_z ẑ)): the tanh changes the logits
+        dec.output_tanh = False
+        assert not torch.allclose(dec(feats, caps, lengths).logits, eager[0].logits)

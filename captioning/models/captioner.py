@@ -165,6 +165,7 @@ class CaptionerConfig(_PlainConfig):
     n_layers_att: int = 1
     n_layers_init: int = 1
     normalizer: Normalizer = "softmax"
+    output_tanh: bool = False  # capgen.py's tanh on the deep output's sum (Eq. 7 has none)
 
     def __post_init__(self) -> None:
         """Refuse impossible values at construction, before any weights load (one line)."""
@@ -259,6 +260,7 @@ class Captioner(nn.Module):
             n_layers_att=config.n_layers_att,
             n_layers_init=config.n_layers_init,
             normalizer=config.normalizer,
+            output_tanh=config.output_tanh,
         )
         unused = config.unused()
         if unused:

@@ -101,6 +101,7 @@ class AttentionLSTMDecoder(nn.Module):
         n_layers_att: int = 1,
         n_layers_init: int = 1,
         normalizer: Normalizer = "softmax",
+        output_tanh: bool = False,
     ) -> None:
         super().__init__()
         check_settings(attention=attention, hard_decode=hard_decode, semi_sampling=semi_sampling,
@@ -108,6 +109,7 @@ class AttentionLSTMDecoder(nn.Module):
                        semi_sampling_grad=semi_sampling_grad, hard_estimator=hard_estimator,
                        n_layers_init=n_layers_init, normalizer=normalizer)
         self.normalizer: Normalizer = normalizer
+        self.output_tanh = output_tanh  # capgen.py's tanh on the deep output's sum
         self.vocab_size = vocab_size
         self.attention_kind: AttentionKind = attention
         self.hard_decode: WeightRule = hard_decode
@@ -254,11 +256,11 @@ class AttentionLSTMDecoder(nn.Module):
     def _output(self, emb: Tensor, h: Tensor, z_hat: Tensor, *,
                 dropout: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """Deep output: p(y_t) ∝ exp(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t)) (Eq. 7, as printed;
-        capgen.py puts a tanh on the sum before L_o). `dropout`: in place of `self.dropout`
+        with `output_tanh`, capgen.py's L_o(tanh(...))). `dropout`: in place of `self.dropout`
         (the packed pass's, `PackedSteps.dropout`)."""
         drop = self.dropout if dropout is None else dropout
         x = emb + self.out_h(drop(h)) + self.out_z(z_hat)
-        return self.out(drop(x))
+        return self.out(drop(torch.tanh(x) if self.output_tanh else x))
 
     def _training_rule(self) -> tuple[SelectRule, bool]:
         """(rule, semi-sample?) for the teacher-forced pass."""
