@@ -11,6 +11,9 @@
 * `captioning export --checkpoint CKPT --out DIR`  a shareable model folder (safetensors, JSON)
 * `captioning configs`  list the configs shipped inside the package
 
+`captioning --import MODULE COMMAND ...` imports a module of one's own first (a scorer named by
+its import path, `model.net.score`); `ablate` passes it on to its cells.
+
 Each command lives in `captioning.commands`; heavy imports (torch, lightning) happen inside
 them, so `--help` and `caption` start fast. User errors and interruptions end in one line
 (`captioning.commands.errors`).
@@ -25,7 +28,7 @@ import warnings
 from collections.abc import Sequence
 
 from captioning.allocator import keep_freed_memory
-from captioning.commands.errors import exit_status
+from captioning.commands.errors import ConfigError, exit_status
 from captioning.locks import sigterm_raises
 
 #: Commands other than LightningCLI's, by the module under `captioning.commands` that runs them.
@@ -80,7 +83,7 @@ def _finish_wandb(failed: bool) -> None:
         wandb.finish(exit_code=1 if failed else 0)
 
 
-USAGE = """usage: captioning COMMAND [ARGS]   (captioning COMMAND --help for each command's options)
+USAGE = """usage: captioning [--import MODULE ...] COMMAND [ARGS]   (COMMAND --help: its options)
 
 Training and evaluation (LightningCLI):
   fit, validate, test   --config NAME|FILE ... [--data.source.root DIR] [--ckpt_path CKPT]
@@ -97,28 +100,52 @@ Commands:
 """
 
 
-def _dispatch(argv: list[str], from_shell: bool) -> int:
+def split_imports(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the modules of the `--import MODULE` options before the command, the rest)."""
+    modules, rest = [], list(argv)
+    while len(rest) >= 2 and rest[0] == "--import":
+        modules.append(rest[1])
+        rest = rest[2:]
+    if rest[:1] == ["--import"]:
+        raise ConfigError("--import: expected a module name")
+    return modules, rest
+
+
+def import_modules(modules: Sequence[str]) -> None:
+    """Import each module of `--import`, or stop in one line naming it."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"--import {name}: cannot import it ({e})") from None
+
+
+def _dispatch(argv: list[str], from_shell: bool, imports: Sequence[str] = ()) -> int:
     command = argv[0] if argv else ""
     if command in ("", "-h", "--help"):
         (sys.stdout if command else sys.stderr).write(USAGE)
         return 0 if command else 2
     if command in COMMANDS:
         module = importlib.import_module(f"captioning.commands.{COMMANDS[command]}")
+        if command == "ablate":  # its cells run in child processes, which import them too
+            argv = [command, *(a for m in imports for a in ("--import", m)), *argv[1:]]
         if command in LIGHTNING_RUNS:  # Lightning's own SIGTERM handling (a checkpoint first)
             return int(module.main(argv[1:]))
         with sigterm_raises():  # SIGTERM like Ctrl-C: clean-up runs, one line, exit 143
             return int(module.main(argv[1:]))
     from captioning.commands.lightning import lightning_cli
 
-    lightning_cli(None if from_shell else argv)
+    lightning_cli(None if from_shell and not imports else argv)
     return 0
 
 
 def _run(argv: list[str], from_shell: bool) -> int:
+    imports, argv = split_imports(argv)
+    import_modules(imports)
     if not argv or argv[0] in NO_WANDB or argv[0].startswith("-"):
-        return _dispatch(argv, from_shell)
+        return _dispatch(argv, from_shell, imports)
     try:
-        status = _dispatch(argv, from_shell)
+        status = _dispatch(argv, from_shell, imports)
     except BaseException:
         _finish_wandb(failed=True)
         raise

@@ -19,7 +19,7 @@ from tiny_runs import BATCHES, cli_config, make_dm
 from torch import Tensor
 
 from captioning.callbacks import GumbelTemperature
-from captioning.checkpoint import load_checkpoint, read_checkpoint
+from captioning.checkpoint import CheckpointError, load_checkpoint, read_checkpoint
 from captioning.cli import main
 from captioning.lit_module import CaptioningModule
 from captioning.losses import target_mask
@@ -647,37 +647,55 @@ class ConcatScore(Scorer):
 def test_a_score_of_ones_own_by_its_import_path(shapes_dm_kwargs: dict, cache_dir: Path,
                                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """`net.score` takes the import path of a `Scorer` subclass outside the package: it trains
-    through the CLI, every parameter gets a gradient, the checkpoint records the path and loads
-    it again; a path that does not import, or names no Scorer, is one line."""
-    (tmp_path / "my_scores.py").write_text(CONCAT_SCORE)
+    """`net.score` takes the import path of a `Scorer` subclass outside the package, whose
+    module the user imports (`captioning --import M`): it trains through the CLI, every
+    parameter gets a gradient, the checkpoint records the path and loads it again. Settings
+    never import code: a checkpoint naming a module not imported is refused, and the module's
+    code does not run."""
+    import sys
+
+    (tmp_path / "my_scores.py").write_text(CONCAT_SCORE + "\nIMPORTED = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    config = CaptionerConfig(vocab_size=12, backbone="resnet18", weights=None, grid_size=2,
-                             image_size=64, embed_dim=8, hidden_dim=8, attn_dim=8,
-                             score="my_scores.ConcatScore")
-    captioner = Captioner(config)
+    monkeypatch.delitem(sys.modules, "my_scores", raising=False)
+    net = dict(vocab_size=12, backbone="resnet18", weights=None, grid_size=2, image_size=64,
+               embed_dim=8, hidden_dim=8, attn_dim=8, score="my_scores.ConcatScore")
+    with pytest.raises(ValueError, match=r"module my_scores is not imported \(settings never "
+                                         r"import code\): run `captioning --import my_scores"):
+        CaptionerConfig(**net)
+    assert "my_scores" not in sys.modules
+
+    cfg = cli_config(tmp_path / "fit.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
+    assert main(["--import", "my_scores", "fit", "--config", str(cfg),
+                 "--model.net.score", "my_scores.ConcatScore"]) == 0
+    captioner = Captioner(CaptionerConfig(**net))
     assert type(captioner.decoder.attention).__name__ == "ConcatScore"
     feats = torch.randn(2, 4, captioner.encoder.dim)
-    caps = torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]])
-    out = captioner.decoder(feats, caps, torch.tensor([4, 3]))
+    out = captioner.decoder(feats, torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]]), torch.tensor([4, 3]))
     out.logits.logsumexp(-1).sum().backward()
     attention = captioner.decoder.attention
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in attention.parameters())
-
-    cfg = cli_config(tmp_path / "fit.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "ckpt")
-    assert main(["fit", "--config", str(cfg), "--model.net.score", "my_scores.ConcatScore"]) == 0
     loaded = load_checkpoint(tmp_path / "ckpt" / "last.ckpt")
     assert loaded.config.score == "my_scores.ConcatScore"
     assert type(loaded.captioner.decoder.attention).__name__ == "ConcatScore"
+
+    monkeypatch.delitem(sys.modules, "my_scores")  # a new process: loading imports nothing
+    with pytest.raises(CheckpointError, match="module my_scores is not imported"):
+        load_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert "my_scores" not in sys.modules
     capsys.readouterr()
-    for bad, why in (("my_scores.Missing", "cannot import it (AttributeError"),
-                     ("no_such_module.Score", "cannot import it (ModuleNotFoundError"),
-                     ("torch.nn.Linear", "is not a subclass of captioning.models.attention."
-                                         "Scorer"),
-                     ("cosine", "must be one of ['additive', 'dot', 'general', 'scaled_dot'] "
-                                "or the import path of a Scorer subclass")):
-        assert main(["fit", "--config", str(cfg), "--model.net.score", bad]) == 2
+    for args, why in (
+            (["--import", "no_such_module"], "--import no_such_module: cannot import it"),
+            (["--import", "my_scores", "--model.net.score", "my_scores.Missing"],
+             "net.score 'my_scores.Missing': module my_scores has no Missing"),
+            (["--model.net.score", "torch.nn.Linear"],
+             "net.score 'torch.nn.Linear' is not a subclass of captioning.models.attention."
+             "Scorer"),
+            (["--model.net.score", "cosine"],
+             "net.score must be one of ['additive', 'dot', 'general', 'scaled_dot'] or the "
+             "import path of a Scorer subclass (package.module.Class), got 'cosine'")):
+        imports = args[:2] if args[0] == "--import" else []
+        rest = args[len(imports):] or ["--model.net.score", "my_scores.ConcatScore"]
+        assert main([*imports, "fit", "--config", str(cfg), *rest]) == 2
         (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
-        assert line.startswith(f"error: net.score {bad!r}" if "." in bad else
-                               "error: net.score must be one of") and why in line, line
+        assert line.startswith(f"error: {why}"), line
     assert not (tmp_path / "ckpt.previous").exists()  # a refused fit sets nothing aside

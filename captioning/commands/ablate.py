@@ -74,6 +74,11 @@ class Cell:
     configs: tuple[Path, ...]
     overrides: dict[str, Any] = field(default_factory=dict)
     without: tuple[str, ...] = ()
+    imports: tuple[str, ...] = ()  # `captioning --import` modules (a scorer of one's own)
+
+    def command(self, args: Sequence[str]) -> list[str]:
+        """`captioning` arguments running `args` in a child process, after the imports."""
+        return [*(a for m in self.imports for a in ("--import", m)), *args]
 
     def fit_args(self) -> list[str]:
         """`captioning fit` arguments; the first config is the cell's own trainer file."""
@@ -112,8 +117,8 @@ def tiny_overrides(data_root: Path) -> dict[str, Any]:
 
 
 def plan_cells(grid: Grid, *, seeds: Sequence[int], only: Sequence[str] | None, runs: Path,
-               tiny: bool) -> list[Cell]:
-    """Every selected variant × seed, in grid order."""
+               tiny: bool, imports: Sequence[str] = ()) -> list[Cell]:
+    """Every selected variant × seed, in grid order; `imports`: the modules its cells import."""
     unknown = sorted(set(only or ()) - set(grid.variants))
     if unknown:
         raise ConfigError(f"--only {' '.join(unknown)}: not in grid {grid.name} "
@@ -134,7 +139,8 @@ def plan_cells(grid: Grid, *, seeds: Sequence[int], only: Sequence[str] | None, 
                      "seed_everything": seed,
                      **(tiny_overrides(runs / "tiny-data" / "shapes") if tiny else {}),
                      "model.results_dir": str(run_dir)}
-            cells.append(Cell(variant, seed, run_dir, configs, flags, grid.without))
+            cells.append(Cell(variant, seed, run_dir, configs, flags, grid.without,
+                              tuple(imports)))
     return cells
 
 
@@ -240,7 +246,7 @@ def train_cell(cell: Cell, metrics: Sequence[str]) -> dict[str, Any]:
     """Run one cell in a child process; its row for results.csv."""
     config = cell.fingerprint()  # of the settings it trains with, whatever changes meanwhile
     write_cell_files(cell, config)
-    returncode, seconds = run_child(["ablate", "--run-cell", str(cell.run_dir)],
+    returncode, seconds = run_child(cell.command(["ablate", "--run-cell", str(cell.run_dir)]),
                                     cell.run_dir / LOG_FILE)
     row: dict[str, Any] = {"variant": cell.variant, "seed": cell.seed, "seconds": round(seconds, 1),
                            "config": config, "code": code_digest()}
@@ -261,7 +267,7 @@ def prepare_features(cell: Cell, runs: Path) -> None:
     prep = replace(cell, run_dir=runs / "cache-features")
     write_cell_files(prep, prep.fingerprint())
     log.info("feature cache: checking or building it first (log: %s)", prep.run_dir / LOG_FILE)
-    returncode, seconds = run_child(["cache-features", *prep.fit_args()[1:]],
+    returncode, seconds = run_child(prep.command(["cache-features", *prep.fit_args()[1:]]),
                                     prep.run_dir / LOG_FILE)
     if returncode != 0:
         text = (prep.run_dir / LOG_FILE).read_text(errors="replace")
@@ -360,7 +366,7 @@ def dry_run(cells: Sequence[Cell], out: Path, *, keep_done: bool = False) -> Non
     for cell in cells:
         state = "done" if done_before(rows, cell, keep_done=keep_done) else "to run"
         sys.stdout.write(f"{cell.variant} seed {cell.seed} ({state}): {cell.run_dir}\n"
-                         f"  captioning {shlex.join(cell.fit_args())}\n"
+                         f"  captioning {shlex.join(cell.command(cell.fit_args()))}\n"
                          "  then test with the best checkpoint\n")
     sys.stdout.write(f"{len(cells)} cells; results in {out}\n")
     sys.stdout.flush()
@@ -386,6 +392,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true",
                    help="shrink every cell to a few steps on a tiny dataset (tests)")
     p.add_argument("--run-cell", default=None, help=argparse.SUPPRESS)  # the child process
+    p.add_argument("--import", dest="imports", action="append", default=[],
+                   help=argparse.SUPPRESS)  # `captioning --import M ablate`: for the cells
     return p.parse_args(argv)
 
 
@@ -405,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid = load_grid(find_grid(a.grid))
     runs = Path(a.runs or f"runs/ablations/{grid.name}")
     out = Path(a.out) if a.out else runs  # results.csv, table.md, plot.png beside the cells
-    cells = plan_cells(grid, seeds=seeds_of(a.seeds, grid), only=a.only, runs=runs, tiny=a.tiny)
+    cells = plan_cells(grid, seeds=seeds_of(a.seeds, grid), only=a.only, runs=runs, tiny=a.tiny,
+                       imports=a.imports)
     if a.dry_run:
         dry_run(cells, out, keep_done=a.keep_done)
         return 0

@@ -19,8 +19,8 @@ never re-projects the grid.
 
 from __future__ import annotations
 
-import importlib
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -247,17 +247,22 @@ SCORERS: dict[str, type[Scorer]] = {
 def scorer_class(score: str) -> type[Scorer]:
     """The scorer class `score` names: a key of `SCORERS`, or the import path of a `Scorer`
     subclass of one's own (`my_project.attention.MyScore`), built with the keyword arguments
-    SCORERS' classes take (feature_dim, hidden_dim, attn_dim, n_layers). Raises ValueError."""
+    SCORERS' classes take (feature_dim, hidden_dim, attn_dim, n_layers). Its module must be
+    imported already (`captioning --import MODULE ...`, or `import` in Python): settings, which
+    checkpoints and model folders carry, never import code. Raises ValueError."""
     if score in SCORERS:
         return SCORERS[score]
     module, _, name = score.rpartition(".")
     if not module:
         raise ValueError(f"score must be one of {sorted(SCORERS)} or the import path of a "
                          f"Scorer subclass (package.module.Class), got {score!r}")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"score {score!r}: cannot import it ({type(e).__name__}: {e})") from None
+    if module not in sys.modules:
+        raise ValueError(f"score {score!r}: module {module} is not imported (settings never "
+                         f"import code): run `captioning --import {module} ...`, or import it "
+                         "in Python first")
+    cls = getattr(sys.modules[module], name, None)
+    if cls is None:
+        raise ValueError(f"score {score!r}: module {module} has no {name}")
     if not (isinstance(cls, type) and issubclass(cls, Scorer)):
         raise ValueError(f"score {score!r} is not a subclass of "
                          "captioning.models.attention.Scorer")
