@@ -267,7 +267,8 @@ def test_every_problem_of_the_data_is_listed_in_the_run_folder(
         messy_root: Path, messy_kwargs: dict, shapes_dm_kwargs: dict, cache_dir: Path,
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The error lists ten problems; the run folder's data_problems.txt lists them all, as do
-    the problems `on_bad_data: skip` left out. A later run that reads clean data removes it."""
+    the problems `on_bad_data: skip` left out. A later command that reads clean data removes
+    it; one refused before it reads any leaves it."""
     root = tmp_path / "data"
     shutil.copytree(messy_root, root)
     for i in range(15, 21):  # six more missing: 11 problems
@@ -282,15 +283,18 @@ def test_every_problem_of_the_data_is_listed_in_the_run_folder(
     assert error_lines(err) == ["error: 11 problems in the data:"]
     assert f"  ... and 1 more (all 11 in {listed})" in err.splitlines()
     head, *lines = listed.read_text().splitlines()
-    assert head == "# 11 problems in the data (fit stopped)"
+    assert head == "# 11 problems in the data (fit: stopped)"
     assert [ln.strip() for ln in err.splitlines() if ln.startswith("  /")] == lines[:10]
     assert {Path(ln.split(":")[0]).name for ln in lines} == {
         *BAD_IMAGES, *(f"train_{i:05d}.png" for i in range(15, 21))}
 
     assert main(["fit", "--config", str(cfg), "--data.on_bad_data", "skip"]) == 0
     head, *skipped = listed.read_text().splitlines()
-    assert head == "# 11 problems in the data (skipped: data.on_bad_data)"
+    assert head == "# 11 problems in the data (fit: skipped by data.on_bad_data)"
     assert sorted(skipped) == sorted(lines)
+    kept = listed.read_text()  # a command refused before it reads any data leaves the list
+    assert main(["fit", "--config", str(cfg), "--model.net.score", "cosine"]) == 2
+    assert listed.read_text() == kept
 
     clean = cli_config(tmp_path / "clean.yaml", shapes_dm_kwargs, cache_dir, run / "ckpt")
     assert main(["fit", "--config", str(clean)]) == 0

@@ -367,13 +367,18 @@ class CaptioningCLI(LightningCLI):
             stopped = True
             if self._run_root is None:
                 raise
-            saved = save_problems(self._run_root, e.problems, f"{self.subcommand} stopped")
+            saved = save_problems(self._run_root, e.problems, f"{self.subcommand}: stopped")
             raise DataError(e.problems, listed_in=saved) from None
-        finally:  # what on_bad_data: skip left out
-            skipped = getattr(getattr(self, "datamodule", None), "problems", None)
-            if self._run_root is not None and skipped and not stopped:
-                log.info("the %d skipped problems of the data are listed in %s", len(skipped),
-                         save_problems(self._run_root, skipped, "skipped: data.on_bad_data"))
+        finally:  # what on_bad_data: skip left out, once this command has read its data
+            dm = getattr(self, "datamodule", None)
+            if self._run_root is not None and not stopped and getattr(dm, "read", False):
+                if dm.problems:
+                    log.info("the %d skipped problems of the data are listed in %s",
+                             len(dm.problems), save_problems(
+                                 self._run_root, dm.problems,
+                                 f"{self.subcommand}: skipped by data.on_bad_data"))
+                else:  # clean data: an earlier command's list no longer holds
+                    (self._run_root / PROBLEMS_FILE).unlink(missing_ok=True)
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
@@ -384,7 +389,6 @@ class CaptioningCLI(LightningCLI):
             # before anything is written there (init_from's vocabulary).
             self._claims.enter_context(claim_folder(root))
             self._run_root = Path(str(root))
-            (self._run_root / PROBLEMS_FILE).unlink(missing_ok=True)  # an earlier command's
         if self.subcommand == "fit" and root and self._claims is not None \
                 and rank_zero_only.rank == 0:  # checkpoint folders outside it: held too
             for folder in folders_outside(cfg.get("trainer", {}), root):

@@ -205,6 +205,10 @@ class CaptionDataModule(L.LightningDataModule):
         """Records of a split ("train", "val", "test"; "restval" when not merged)."""
         return self._load_records().get(split, [])
 
+    @property
+    def read(self) -> bool:  # whether the source's records have been read (`problems` is full)
+        return self._records is not None
+
     # ---- vocabulary ----------------------------------------------------------------------
 
     @property
