@@ -44,8 +44,8 @@ def _attention_peaks(alpha: Any, i: int, n_words: int, n_cells: int) -> list[lis
         raise ValueError(
             f"alphas[{i}] must be (T >= {n_words}, L = {n_cells}), got {tuple(a.shape)}"
         )
-    a = a[:n_words].float()
-    top = a == a.max(dim=1, keepdim=True).values  # (T, L)
+    a = a[:n_words].float().nan_to_num(nan=-math.inf)  # a NaN weight is no peak
+    top = a == a.max(dim=1, keepdim=True).values  # (T, L); an all-NaN row: every cell ties
     return [row.nonzero().flatten().tolist() for row in top]
 
 

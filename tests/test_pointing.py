@@ -60,6 +60,10 @@ def test_tied_peaks_count_the_share_of_them_that_hit() -> None:
         assert pa(words, [uniform], boxes) == (0.25, 0.25, 1)
     two = torch.tensor([[0.25] * 4, [0.4, 0.1, 0.1, 0.4]])  # cells 0 and 3 tie at step 1
     assert pa(words, [two], [[box("red", "circle", 0.05, 0.05, 0.3, 0.3)]]) == (0.5, 0.5, 1)
+    nan = torch.tensor([[0.25] * 4, [math.nan, 0.7, 0.2, 0.1]])  # a NaN weight is no peak
+    assert pa(words, [nan], [[box("red", "circle", 0.6, 0.05, 0.3, 0.3)]]) == (1.0, 1.0, 1)
+    all_nan = torch.full((2, 4), math.nan)  # every cell ties: the chance level, no crash
+    assert pa(words, [all_nan], [[box("red", "circle", 0.6, 0.05, 0.3, 0.3)]]) == (0.25, 0.25, 1)
 
 
 def test_pointing_colour_disambiguation_and_plurals() -> None:
