@@ -321,7 +321,8 @@ class SelfCritical(Objective):
         parts = {"loss": -(advantage * log_p).mean(),
                  "scst_reward": r.mean(), "scst_baseline": b.mean(),
                  "scst_beat_baseline": (r > b).float().mean(),
-                 "scst_sample_len": (gen.lengths - gen.finished.long()).float().mean()}
+                 "scst_sample_len": (gen.lengths - gen.finished.long()).float().mean(),
+                 "attn_entropy": mean_alpha_entropy(gen.alphas, mask)}  # the samples' α
         if cfg.xe_weight > 0:
             xe = self.cross_entropy(captioner, features, batch)
             parts["xe_loss"] = xe["loss"]

@@ -205,6 +205,12 @@ def test_grid_names_that_name_nothing_are_reported(tiny_grid: Path,
         plan_cells(typo, seeds=[0], only=None, runs=Path("runs"), tiny=True)
     full = replace(grid, without=("lightning.pytorch.loggers.CSVLogger",))  # or its path
     assert plan_cells(full, seeds=[0], only=None, runs=Path("runs"), tiny=True)
+    one = Path("one.yaml")  # a logger given as one mapping, not a list (Lightning takes both)
+    one.write_text(yaml.safe_dump({"trainer": {"logger": {
+        "class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "."}}}}))
+    from captioning.commands.configs import trainer_config_in
+
+    assert trainer_config_in(one, Path("cell"), without=["CSVLogger"])["trainer"]["logger"] == []
 
     rows = [{"status": "ok", "BLEU4": math.nan, "BLEU-4": 0.5},
             {"status": "failed", "BLEU4": 1.0, "BLEU-4": math.nan}]

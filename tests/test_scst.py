@@ -327,7 +327,7 @@ def test_resume_from_a_mid_scst_checkpoint(cross_entropy: Path, shapes_dm_kwargs
     assert saved["global_step"] == BATCHES and saved["hyper_parameters"]["objective"] == "scst"
     logged = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     for name in ("train/scst_reward", "train/scst_baseline", "train/scst_beat_baseline",
-                 "train/scst_sample_len", "val/loss"):
+                 "train/scst_sample_len", "train/attn_entropy", "val/loss"):
         assert name in logged.split(","), name
     start.unlink()
     again = _fit_config(tmp_path / "b.yaml", shapes_dm_kwargs, cache_dir, ckpt_dir, model,

@@ -118,6 +118,9 @@ def trainer_config_in(path: Path, run_dir: Path, *, without: Iterable[str] = ()
     cfg = yaml.safe_load(path.read_text())
     trainer = cfg["trainer"]
     trainer["default_root_dir"] = str(run_dir)
+    for key in ("logger", "callbacks"):  # one mapping is a list of one (Lightning takes both)
+        if hasattr(trainer.get(key), "get"):
+            trainer[key] = [trainer[key]]
     paths = {key: [str(x.get("class_path", "")) if hasattr(x, "get") else ""
                    for x in trainer[key]]
              for key in ("logger", "callbacks") if isinstance(trainer.get(key), list)}
