@@ -11,14 +11,19 @@ from pathlib import Path
 SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".cu")
 
 
-@functools.cache
-def code_digest() -> str:
-    """12 hex digits of a SHA-256 over the package's source files (their paths under the
-    package and their bytes). Any edit to the package changes it; configs do not."""
-    root = Path(__file__).resolve().parent
+def source_digest(root: Path) -> str:
+    """12 hex digits of a SHA-256 over the source files under `root` (`SOURCE_SUFFIXES`; their
+    paths under `root` and their bytes)."""
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):
         if p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts and p.is_file():
             h.update(p.relative_to(root).as_posix().encode() + b"\0")
             h.update(p.read_bytes() + b"\0")
     return h.hexdigest()[:12]
+
+
+@functools.cache
+def code_digest() -> str:
+    """`source_digest` of this package, once a process: any edit to its code changes it;
+    configs and other files do not."""
+    return source_digest(Path(__file__).resolve().parent)

@@ -10,10 +10,12 @@ bad value fails that cell alone, and every cell starts with a fresh interpreter.
 captions' steps); the parent writes `results.csv` atomically after every cell, then `table.md`
 (mean ± sd over seeds) and `plot.png` (`captioning.commands.ablation_report`).
 
-Resume: a cell whose settings fingerprint (taken before it trains) still matches that of its
-`ok` row in `results.csv`, or of its own `cell_result.json` (a `results.csv` lost or written
-elsewhere), is not retrained, so running the command again continues an interrupted grid (an
-unfinished cell starts over). A failed cell is retried on the next run.
+Resume: a cell whose settings fingerprint (taken before it trains) and code digest (of the
+package's source, `captioning.provenance`) still match those of its `ok` row in `results.csv`,
+or of its own `cell_result.json` (a `results.csv` lost or written elsewhere), is not retrained,
+so running the command again continues an interrupted grid (an unfinished cell starts over). A
+result done by other code, or with no digest (older results), trains again unless
+`--keep-done`. A failed cell is retried on the next run.
 """
 
 from __future__ import annotations
