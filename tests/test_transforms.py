@@ -38,3 +38,26 @@ def test_boxes_to_crop_coords_matches_torchvision(width, height, bbox) -> None:
     assert (got - expected.float()).abs().max() <= 1.0
     loose = torch.tensor(boxes_to_crop_coords(bbox, width, height)) * size
     assert (loose - expected.float()).abs().max() <= 1.5
+
+
+def test_model_input_reads_a_file_and_its_pil_image_alike(tmp_path) -> None:
+    """`model_input` of an EXIF-rotated JPEG equals that of the same file opened with PIL by
+    hand (whose orientation PIL does not apply), and differs from the unrotated pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from captioning.data.transforms import model_input, model_inputs
+
+    im = Image.new("RGB", (48, 24), (0, 0, 255))
+    im.paste((255, 0, 0), (0, 0, 12, 24))  # a red band on the left
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90° clockwise on display
+    path = tmp_path / "rotated.jpg"
+    im.save(path, format="JPEG", quality=95, exif=exif.tobytes())
+    from_file = model_input(path, 32)
+    with Image.open(path) as opened:
+        assert torch.equal(model_input(opened, 32), from_file)
+        plain = Image.fromarray(np.asarray(opened))  # the same pixels, no EXIF: not rotated
+        assert not torch.equal(model_input(plain, 32), from_file)
+    assert from_file.shape == (3, 32, 32)
+    assert torch.equal(model_inputs([path, path], 32), torch.stack([from_file, from_file]))

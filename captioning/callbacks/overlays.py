@@ -133,7 +133,7 @@ class AttentionOverlayCallback(L.Callback):
     def _result_strips(self, dm: Any, pl_module: L.LightningModule, results: Any,
                        records: Sequence[Any]) -> list[Any]:
         """Each record's strip (uint8 HxWx3) from the α maps its test caption was decoded with."""
-        from captioning.data.images import load_image
+        from captioning.data.transforms import model_input
 
         transform = dm.image_transform(False)
         grid = pl_module.captioner.grid  # type: ignore[union-attr]
@@ -143,7 +143,7 @@ class AttentionOverlayCallback(L.Callback):
             alphas = results.alphas[r.image_id][: len(words)].float()
             if alphas.shape[0] == 0:  # an empty caption: the image panel alone
                 alphas = torch.zeros(1, grid[0] * grid[1])
-            image = transform(load_image(r.path))[None]
+            image = model_input(r.path, dm.image_size, transform=transform)[None]
             out.append(render_strips(image, alphas[None], grid, [words],
                                      upsample=self.upsample)[0].numpy())
         return out
@@ -222,7 +222,7 @@ class AttentionOverlayCallback(L.Callback):
     def _load_inputs(self, trainer: L.Trainer) -> tuple[Tensor, list[Any], list[list[str]]]:
         """(N, 3, S, S) eval-transformed images on the CPU, their ids and references (cached)."""
         if self._inputs is None:
-            from captioning.data.images import load_image
+            from captioning.data.transforms import model_input
 
             dm = getattr(trainer, "datamodule", None)
             if dm is None or not hasattr(dm, "records") or not hasattr(dm, "image_transform"):
@@ -232,7 +232,8 @@ class AttentionOverlayCallback(L.Callback):
             if not records:
                 raise ValueError(f"AttentionOverlayCallback: the {self.split!r} split is empty")
             transform = dm.image_transform(False)
-            images = torch.stack([transform(load_image(r.path)) for r in records])
+            images = torch.stack([model_input(r.path, dm.image_size, transform=transform)
+                                  for r in records])  # as the model reads them
             self._inputs = (images, [r.image_id for r in records],
                             [list(r.captions) for r in records])
         return self._inputs

@@ -149,16 +149,18 @@ def plan_cells(grid: Grid, *, seeds: Sequence[int], only: Sequence[str] | None, 
 # -- the child: one cell in its own process ------------------------------------------------------
 
 def alpha_entropy(alphas: Iterable[Any]) -> float:
-    """Mean entropy (nats) of the attention weights over every step of every caption."""
+    """Mean entropy (nats) of the attention weights over every step of every caption
+    (`losses.mean_alpha_entropy`, as training logs it); NaN with no step at all."""
     import torch
 
-    total, steps = 0.0, 0
-    for a in alphas:
-        a = torch.as_tensor(a, dtype=torch.float64)
-        if a.numel():
-            total += float(-(a * a.clamp_min(1e-12).log()).sum(-1).sum())
-            steps += a.shape[0]
-    return total / steps if steps else math.nan  # NaN: no step (every caption empty)
+    from captioning.losses import mean_alpha_entropy
+
+    steps = [torch.as_tensor(a) for a in alphas]
+    steps = [a for a in steps if a.numel()]
+    if not steps:
+        return math.nan  # every caption empty
+    rows = torch.cat(steps)  # (steps, L)
+    return float(mean_alpha_entropy(rows, torch.ones(len(rows))))
 
 
 def run_cell(run_dir: Path) -> int:

@@ -38,15 +38,16 @@ def model_input(image: str | os.PathLike[str] | Image, image_size: int, *,
                 transform: Callable[[Any], Tensor] | None = None) -> Tensor:
     """One image as a model of input size `image_size` reads it, (3, S, S): a file loaded with
     `load_image` (any mode to RGB, EXIF orientation applied; a JPEG decoded no smaller than
-    needed), or a PIL image converted to RGB, then the evaluation transform (`transform`:
+    needed), or a PIL image so converted and oriented, then the evaluation transform (`transform`:
     built once by a caller with many images). Raises `ImageLoadError` for a bad file."""
     from PIL import Image as PILImage
+    from PIL import ImageOps
 
     from captioning.data.images import load_image, to_rgb
 
     transform = transform or build_image_transform(image_size)
-    if isinstance(image, PILImage.Image):
-        return transform(to_rgb(image))
+    if isinstance(image, PILImage.Image):  # its EXIF orientation applied, as load_image does
+        return transform(to_rgb(ImageOps.exif_transpose(image)))
     return transform(load_image(image, min_side=image_size))
 
 
