@@ -542,6 +542,7 @@ def test_captions_in_training_mode_warn(tiny: Tiny) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.captions(tiny.images)  # eval mode: no warning
-    with pytest.warns(UserWarning, match=r"training mode: dropout changes every call's "
-                                         r"captions; call model\.eval\(\) first"):
+    with pytest.warns(UserWarning, match=r"training mode: dropout \(and a trainable encoder's "
+                                         r"batch norm\) change every call's captions; call "
+                                         r"model\.eval\(\) first"):
         model.train().captions(tiny.images)

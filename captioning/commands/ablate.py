@@ -358,7 +358,10 @@ def warn_unreported(rows: Sequence[dict[str, Any]], cells: Sequence[Cell],
                   None)
     if not missing or result is None:
         return
-    found = json.loads(result.read_text())
+    try:
+        found = json.loads(result.read_text())
+    except (OSError, ValueError):  # a damaged result file: the table is still written
+        found = {}
     names = [*found.get("test", {}), *(f"val/{k}" for k in found.get("val", {})), *CELL_METRICS]
     log.warning("metrics %s: no cell reports them; a cell reports %s", ", ".join(missing),
                 ", ".join(names))

@@ -203,7 +203,8 @@ def folders_outside(trainer: Mapping[str, Any], root: Any) -> list[Path]:
     """The checkpoint folders of a trainer config that lie neither in the run folder `root` nor
     around it or the current folder (those a new fit never sets aside)."""
     run, here = Path(str(root)).resolve(), Path.cwd()
-    out = [f.folder.resolve() for f in checkpoint_folders(trainer)]
+    out = [f.folder.resolve() for f in checkpoint_folders(trainer)
+           if not f.folder.parts[0].endswith(":")]  # a remote dirpath (s3://...): no lock
     return list(dict.fromkeys(f for f in out if run not in (f, *f.parents)
                               and f not in (here, *here.parents, *run.parents)))
 

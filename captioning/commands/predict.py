@@ -189,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out = resolved(Path(a.out))
     if any(resolved(p) == out for p in inputs.paths):
-        error(f"--out {a.out}: is one of the input images; give another file to write")
+        if rank_zero:
+            error(f"--out {a.out}: is one of the input images; give another file to write")
         return 2
 
     from captioning.checkpoint import CheckpointError, load_checkpoint

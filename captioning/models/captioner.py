@@ -343,9 +343,10 @@ class Captioner(nn.Module):
         if self.vocab is None:
             raise ValueError("this captioner has no vocabulary: load it with "
                              "Captioner.from_pretrained(folder), or set .vocab")
-        if self.training and self.config.dropout > 0:  # once per calling line
-            warnings.warn("captions() of a model in training mode: dropout changes every "
-                          "call's captions; call model.eval() first", stacklevel=2)
+        if self.training and (self.config.dropout > 0 or self.config.finetune_encoder):
+            warnings.warn("captions() of a model in training mode: dropout (and a trainable "
+                          "encoder's batch norm) change every call's captions; call "
+                          "model.eval() first", stacklevel=2)  # once per calling line
         with torch.no_grad():
             gen = self.generate(images, decode, generator=generator)
         return [" ".join(self.vocab.decode(row[:n]))
