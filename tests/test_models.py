@@ -399,6 +399,40 @@ def test_hard_attention_fields_another_attention_ignores_are_named(
     # so that `unused` cannot miss a hard-only field by forgetting it.
     shared = {"vocab_size", "backbone", "weights", "grid_size", "image_size", "finetune_encoder",
               "channels_last", "embed_dim", "hidden_dim", "attn_dim", "dropout", "attention",
-              "score", "n_layers_att", "n_layers_init", "normalizer", "output_tanh"}
+              "score", "n_layers_att", "n_layers_init", "normalizer", "output_tanh",
+              "weight_init"}
     assert sorted([*HARD_ONLY, *GUMBEL_ONLY, *shared]) == sorted(
         f.name for f in fields(CaptionerConfig))
+
+
+def test_capgen_weight_init_follows_the_authors_code() -> None:
+    """`weight_init: capgen`: square matrices orthogonal (but the keys' W_a), the others and the
+    embedding N(0, 0.01²), the LSTM's U orthogonal gate by gate, biases zero; the encoder keeps
+    its own weights; the default keeps PyTorch's."""
+    torch.manual_seed(0)
+    net = dict(vocab_size=40, backbone="resnet18", weights=None, grid_size=2, image_size=64,
+               embed_dim=16, hidden_dim=24, attn_dim=24, n_layers_att=2, n_layers_init=2)
+    model = Captioner(CaptionerConfig(**net, weight_init="capgen")).requires_grad_(False)
+    dec = model.decoder
+    H, E = 24, 16
+
+    def orthogonal(w: torch.Tensor) -> bool:
+        return torch.allclose(w @ w.T, torch.eye(w.size(0)), atol=1e-5)
+
+    for g in range(4):
+        assert orthogonal(dec.lstm.weight_hh[g * H:(g + 1) * H])
+    assert 0.008 < float(dec.lstm.weight_ih[:, E:].std()) < 0.012
+    assert 0.008 < float(dec.embed.weight.std()) < 0.012
+    assert orthogonal(dec.attention.deep[0].weight)  # W_att_1, square: orthogonal
+    assert orthogonal(dec.attention.query.weight)  # W_h, 24 x 24: square
+    assert not orthogonal(dec.attention.key.weight)  # W_a (Wc_att): never orthogonal
+    assert 0.008 < float(dec.out.weight.std()) < 0.012
+    assert all(not b.any() for n, b in dec.named_parameters() if "bias" in n)
+    torch.manual_seed(0)  # the same draws for the encoder, built first: its weights are kept
+    plain = Captioner(CaptionerConfig(**net))
+    assert float(plain.decoder.embed.weight.detach().std()) > 0.5  # PyTorch's N(0, 1) embedding
+    assert all(torch.equal(a, b) for a, b in zip(model.encoder.state_dict().values(),
+                                                   plain.encoder.state_dict().values()))
+    with pytest.raises(ValueError, match=r"net\.weight_init must be 'torch' or 'capgen', got "
+                                         r"'xavier'"):
+        CaptionerConfig(**net, weight_init="xavier")

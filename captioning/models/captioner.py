@@ -38,6 +38,7 @@ from captioning.models.decoding import (
     sample_search,
 )
 from captioning.models.encoder import CNNEncoder, fingerprint
+from captioning.models.initialise import capgen_init
 from captioning.models.pretrained import (
     CONFIG_FILE,
     PretrainedError,
@@ -57,6 +58,7 @@ from captioning.models.state import grid_dtype
 from captioning.vocab import Vocabulary
 
 Strategy = Literal["greedy", "beam", "sample"]
+WeightInit = Literal["torch", "capgen"]  # PyTorch's defaults, or the authors' (`initialise`)
 log = logging.getLogger(__name__)
 
 _Config = TypeVar("_Config", bound="_PlainConfig")
@@ -166,11 +168,13 @@ class CaptionerConfig(_PlainConfig):
     n_layers_init: int = 1
     normalizer: Normalizer = "softmax"
     output_tanh: bool = False  # capgen.py's tanh on the deep output's sum (Eq. 7 has none)
+    weight_init: WeightInit = "torch"  # `capgen`: the authors' (`models.initialise`)
 
     def __post_init__(self) -> None:
         """Refuse impossible values at construction, before any weights load (one line)."""
         check_whole("net", self, ("embed_dim", "hidden_dim", "attn_dim", "image_size",
                                   "n_layers_att", "n_layers_init"))
+        check_choice("net.weight_init", self.weight_init, WeightInit)
         try:
             scorer_class(self.score)
         except ValueError as e:
@@ -262,6 +266,8 @@ class Captioner(nn.Module):
             normalizer=config.normalizer,
             output_tanh=config.output_tanh,
         )
+        if config.weight_init == "capgen":
+            capgen_init(self.decoder, embed_dim=config.embed_dim)
         unused = config.unused()
         if unused:
             log.warning("no effect with %s attention%s: %s", config.attention,
