@@ -143,10 +143,11 @@ def test_readme_paper_command_shrunk_trains_and_tests(
     assert "BLEU-4" in json.dumps(metrics)
     # The README's `captioning score` of the test pass's captions gives the test's scores.
     shown = ("captioning score runs/paper/test_captions.json --references "
-             "data/coco/dataset_coco.json --split test")
+             "data/coco/dataset_coco.json --split test --eval-references 5")  # data/coco's 5
     assert shown in (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert main(["score", "runs/paper/test_captions.json", "--references", str(split_file),
-                 "--split", "test", "--out", str(tmp_path / "scores.json")]) == 0
+                 "--split", "test", "--eval-references", "5",
+                 "--out", str(tmp_path / "scores.json")]) == 0
     scored = json.loads((tmp_path / "scores.json").read_text())
     assert set(scored) == {"BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr"}
     assert scored == pytest.approx({k: metrics[k] for k in scored}, abs=1e-12)

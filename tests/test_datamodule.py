@@ -259,3 +259,22 @@ def test_lightning_injects_a_distributed_sampler(dm: CaptionDataModule,
         assert new.batch_sampler.epoch == 4
         seen += [i for b in new.batch_sampler for i in b]
     assert sorted(seen) == list(range(len(loader.dataset)))
+
+
+def test_eval_references_keeps_each_images_first_n(shapes_dm_kwargs: dict) -> None:
+    """`eval_references: N`: val and test batches carry each image's first N references (the
+    authors' scripts score 5 a COCO image); training pairs and the default are unchanged."""
+    full = CaptionDataModule(**shapes_dm_kwargs, validate_images=False, feature_cache=False)
+    two = CaptionDataModule(**shapes_dm_kwargs, validate_images=False, feature_cache=False,
+                            eval_references=2)
+    for dm in (full, two):
+        dm.setup("test")
+    captions = {r.image_id: list(r.captions) for r in full.records("test")}
+    assert max(len(c) for c in captions.values()) > 2  # the cut is seen
+    for dm, n in ((full, None), (two, 2)):
+        batches = list(dm.test_dataloader())
+        assert sum(len(b) for b in batches) == len(captions)
+        for b in batches:
+            assert b.references == [captions[i][:n] for i in b.image_ids]
+    with pytest.raises(ValueError, match="eval_references must be >= 1, got 0"):
+        CaptionDataModule(**shapes_dm_kwargs, eval_references=0)

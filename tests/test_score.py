@@ -58,6 +58,12 @@ def test_scores_equal_coco_scores_by_id_and_by_file_name(
                      "--out", tmp_path / "scores.json")
     assert rc == 0 and json.loads(out) == pytest.approx(want)
     assert json.loads((tmp_path / "scores.json").read_text()) == pytest.approx(want)
+    # --eval-references 1: each image's first reference only (data.eval_references)
+    rc, out, _ = run(capsys, by_id, "--references", karpathy, "--json", "--eval-references", "1")
+    first = coco_scores({i: CAPTIONS[i][3][:1] for i in HYPOTHESES}, HYPOTHESES)
+    assert rc == 0 and json.loads(out) == pytest.approx(first) and first != pytest.approx(want)
+    rc, _, err = run(capsys, by_id, "--references", karpathy, "--eval-references", "0")
+    assert rc == 2 and err == ["error: --eval-references must be >= 1, got 0"]
     by_name = results(tmp_path, [  # predict's records: the path as given, more keys
         {"file_name": f"/elsewhere/{CAPTIONS[i][0]}", "caption": c, "score": -1.0}
         for i, c in HYPOTHESES.items()], "predicted.json")

@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="bad entries of the references file: stop (default), or leave them out "
                         "with a warning (as a run with data.on_bad_data: skip did)")
     p.add_argument("--spice", action="store_true", help="also SPICE (needs the CoreNLP jars)")
+    p.add_argument("--eval-references", type=int, default=None, metavar="N",
+                   help="score against each image's first N references (as data.eval_references; "
+                        "the authors' reference files hold 5); default: all")
     p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
     p.add_argument("--out", default=None, help="also write the scores to this JSON file")
     return p
@@ -178,8 +181,10 @@ def reference_records(file: str | Path, on_error: OnError = "fail") -> tuple[Rec
 
 
 def score(results: str | Path, references: str | Path, *, split: str | None = None,
-          spice: bool = False, on_bad_data: OnError = "fail") -> dict[str, float]:
-    """The coco-caption scores of a results file against a references file (see the module)."""
+          spice: bool = False, on_bad_data: OnError = "fail",
+          eval_references: int | None = None) -> dict[str, float]:
+    """The coco-caption scores of a results file against a references file (see the module),
+    each image's first `eval_references` references (None: all)."""
     from captioning.metrics import coco_scores
 
     records, kind = reference_records(references, on_bad_data)
@@ -196,6 +201,7 @@ def score(results: str | Path, references: str | Path, *, split: str | None = No
                     len(pool) - len(hyps), len(pool), split, references, results,
                     "one that does" if len(hyps) == 1 else f"{len(hyps)} that do")
     log.info("scoring %s of %s against %s", _count(len(hyps), "image"), results, references)
+    refs = {i: r[:eval_references] for i, r in refs.items()}
     return coco_scores(refs, hyps, spice=spice)
 
 
@@ -212,8 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help or a usage error (argparse printed the message)
         return int(e.code) if isinstance(e.code, int) else 2
     try:
+        if a.eval_references is not None and a.eval_references < 1:
+            raise ConfigError(f"--eval-references must be >= 1, got {a.eval_references}")
         scores = score(a.results, a.references, split=a.split, spice=a.spice,
-                       on_bad_data=a.on_bad_data)
+                       on_bad_data=a.on_bad_data, eval_references=a.eval_references)
     except RuntimeError as e:  # Java missing, or METEOR failed (`coco_scores`)
         error(str(e))
         return 1

@@ -86,7 +86,8 @@ class CaptionDataModule(L.LightningDataModule):
     not depend on the image-file checks.
 
     `max_caption_length` caps the words of a caption (training targets and the validation-loss
-    reference; metrics see the full references). `hflip` flips training images at random;
+    reference; metrics see the full references). `eval_references`: val and test score against
+    each image's first N references (the authors' reference files hold 5); None: all of them. `hflip` flips training images at random;
     it is off by default because a flip swaps left and right, which makes spatial captions
     ("a red circle to the left of a blue square") false. `on_bad_data` applies to the annotation
     readers and to the image-file checks done by `setup` when `validate_images` (every referenced
@@ -122,11 +123,13 @@ class CaptionDataModule(L.LightningDataModule):
         feature_cache: bool = True,
         cache_dir: str | None = None,
         cache_verify: CacheVerify = "full",
+        eval_references: int | None = None,
     ) -> None:
         super().__init__()
         _check_arguments(source, on_bad_data, max_caption_length=max_caption_length,
                          image_size=image_size, batch_size=batch_size,
-                         eval_batch_size=eval_batch_size)
+                         eval_batch_size=eval_batch_size,
+                         eval_references=1 if eval_references is None else eval_references)
         self.source: DataSource = source if source is not None else ShapesSource()
         # The source is saved as plain data (its class path and arguments): a pickled object in
         # a checkpoint would not load with torch.load(weights_only=True).
@@ -153,6 +156,7 @@ class CaptionDataModule(L.LightningDataModule):
         self.cache_dir = cache_dir
         check_choice("cache_verify", cache_verify, CacheVerify)
         self.cache_verify = cache_verify
+        self.eval_references = eval_references
         self._init_state()
         if hflip:
             log.warning("hflip=True: flipped images make left/right in their captions false")
@@ -385,7 +389,8 @@ class CaptionDataModule(L.LightningDataModule):
         max_words = self.max_caption_length
         if split != "train":
             first = TokenIndex(r.captions[0] for r in records)
-            return CaptionImages(inputs, records, first.encode(self.vocab, max_words))
+            return CaptionImages(inputs, records, first.encode(self.vocab, max_words),
+                                 references=self.eval_references)
         records = list(records) if not isinstance(records, list) else records
         tokens = self._train_tokens(records)
         truncated = int((tokens.lengths > max_words).sum())

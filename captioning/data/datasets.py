@@ -211,11 +211,16 @@ class CaptionPairs(CaptionDataset):
 
 class CaptionImages(CaptionDataset):
     """Validation/test set: one item per image; the first reference is encoded (for the loss),
-    every reference is returned raw (for the metrics)."""
+    every reference, or the first `references`, is returned raw (for the metrics)."""
+
+    def __init__(self, inputs: Dataset, records: Sequence[ImageRecord],
+                 encoded: EncodedCaptions, *, references: int | None = None) -> None:
+        super().__init__(inputs, records, encoded)
+        self.references = references
 
     def __len__(self) -> int:
         return len(self.image_ids)
 
     def __getitem__(self, index: int) -> Item:
         return (self.inputs[index], self.encoded[index], self.image_ids[index],
-                list(self.captions[index]))
+                list(self.captions[index][: self.references]))
