@@ -296,7 +296,7 @@ def test_python_m_captioning_is_the_captioning_command(tmp_path: Path) -> None:
     run = [sys.executable, "-m", "captioning"]
     proc = subprocess.run([*run, "--help"], capture_output=True, text=True, cwd=tmp_path,
                           timeout=120, env=env)
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: captioning COMMAND")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: captioning [--import MODULE")
     proc = subprocess.run([*run, "fit", "--config", "missing.yaml"], capture_output=True,
                           text=True, cwd=tmp_path, timeout=120, env=env)
     assert proc.returncode == 2

@@ -121,7 +121,7 @@ def slow_command(module: str, name: str, says: str) -> str:
             "sys.exit(main(sys.argv[1:]))\n")
 
 
-SLOW_PREDICT = slow_command("captioning.data.predict", "load_image", "loading")
+SLOW_PREDICT = slow_command("captioning.data.predict", "model_input", "loading")
 
 
 def test_sigterm_during_predict_is_one_line(tmp_path: Path, write_png: object) -> None:
