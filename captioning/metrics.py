@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, S
 from pathlib import Path
 from typing import Any
 
-from captioning.vocab import SPECIALS
+from captioning.vocab import SPECIALS, space_cjk
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,8 @@ def _coco_scorers() -> tuple[type, type, type]:
 def _clean_captions(
     references: Mapping[Any, Sequence[str]], hypotheses: Mapping[Any, str]
 ) -> tuple[dict[Hashable, list[str]], dict[Hashable, list[str]]]:
-    """(refs, hyps) as {id: [caption, ...]} strings without special tokens, ready for the
+    """(refs, hyps) as {id: [caption, ...]} strings without special tokens, Chinese and
+    Japanese characters spaced apart (`space_cjk`, as `tokenize` reads them), ready for the
     PTBTokenizer; ValueError for an id without references."""
     refs: dict[Hashable, list[str]] = {}
     hyps: dict[Hashable, list[str]] = {}
@@ -274,8 +275,10 @@ def _clean_captions(
         r = references[key]
         if isinstance(r, str) or not r:
             raise ValueError(f"references for id {key!r} must be a non-empty list of strings")
-        refs[key] = [strip_special_tokens(_as_text(c, what="reference", key=key)) for c in r]
-        hyps[key] = [strip_special_tokens(_as_text(hypotheses[key], what="hypothesis", key=key))]
+        refs[key] = [space_cjk(strip_special_tokens(_as_text(c, what="reference", key=key)))
+                     for c in r]
+        hyps[key] = [space_cjk(strip_special_tokens(
+            _as_text(hypotheses[key], what="hypothesis", key=key)))]
     return refs, hyps
 
 

@@ -187,3 +187,16 @@ def test_objects_correct_default_parser() -> None:
     caption = f"a {colour} {shape}"
     assert shapes.parse_objects(caption) == {(colour, shape)}  # the data module's contract
     assert objects_correct({0: caption}, {0: {(colour, shape)}}) == 1.0
+
+
+@needs_java
+def test_chinese_captions_are_scored_a_character_a_token() -> None:
+    """References written without spaces and the model's hypothesis (its tokens joined by
+    spaces) are read alike: a character a token, as `tokenize` trains the model."""
+    from captioning.metrics import coco_scores
+    from captioning.vocab import tokenize
+
+    refs = {1: ["一只猫在桌子上", "桌子上有一只猫"], 2: ["两只狗在草地上跑", "草地上的两只狗"]}
+    hyps = {1: " ".join(tokenize("一只猫在桌子上")), 2: " ".join(tokenize("两只狗在草地上"))}
+    scores = coco_scores(refs, hyps)
+    assert scores["BLEU-1"] > 0.9 and scores["BLEU-4"] > 0.5  # one token a sentence gave 0

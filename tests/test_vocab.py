@@ -43,7 +43,12 @@ def test_the_tokenizer_keeps_words_of_any_script() -> None:
 
     from captioning.data.readers import caption_problem
 
-    assert tokenize("Café jalapeño NAÏVE 一只猫") == ["café", "jalapeño", "naïve", "一只猫"]
+    assert tokenize("Café jalapeño NAÏVE 一只猫") == ["café", "jalapeño", "naïve", "一", "只", "猫"]
+    # Chinese and Japanese have no spaces between words: a character a token; Korean has them
+    assert tokenize("一只猫在桌子上。") == ["一", "只", "猫", "在", "桌", "子", "上"]
+    assert tokenize("人々が歩いている") == ["人", "々", "が", "歩", "い", "て", "い", "る"]
+    assert tokenize("a 猫 sat") == ["a", "猫", "sat"]
+    assert tokenize("고양이가 있다") == ["고양이가", "있다"]
     # vowel signs are combining marks, which `\w` leaves out: the words stay whole
     assert tokenize("एक कुत्ता घास पर दौड़ता है") == ["एक", "कुत्ता", "घास", "पर", "दौड़ता", "है"]
     assert tokenize(unicodedata.normalize("NFD", "Café")) == ["café"]
