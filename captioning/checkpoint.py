@@ -63,6 +63,12 @@ CHECKPOINT_SUFFIX = ".ckpt"
 LEGACY_DECODE_KEYS = {"eval_strategy": "strategy", "beam_size": "beam_size",
                       "max_len": "max_len", "length_penalty": "length_penalty",
                       "forbid_unk": "forbid_unk"}
+#: Fields added to the model config (`model.net`) after the first checkpoints, with the value
+#: every checkpoint written before them had. A checkpoint without one records it explicitly,
+#: so that a config or flag cannot change the network it is evaluated as (none of them adds
+#: weights that a strict load would miss).
+NET_FIELDS_ADDED = {"score": "additive", "n_layers_att": 1, "n_layers_init": 1,
+                    "normalizer": "softmax", "output_tanh": False, "weight_init": "torch"}
 #: Older state_dict prefixes -> today's (the REINFORCE baselines moved into the objective).
 STATE_KEY_MAP = {"baseline.": "objective.baseline.",
                  "token_baseline.": "objective.token_baseline."}
@@ -260,6 +266,8 @@ def upgrade_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
         hp["decode"] = {**legacy, **dict(hp.get("decode") or {})}
     if "compile" in hp:  # the per-step `compile: bool`, replaced by `fast_path`
         hp.setdefault("fast_path", "compile" if hp.pop("compile") else "auto")
+    if isinstance(hp.get("net"), Mapping):  # the fields it predates, as it was trained
+        hp["net"] = {**NET_FIELDS_ADDED, **hp["net"]}
     return hp
 
 

@@ -103,11 +103,12 @@ Commands:
 def split_imports(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(the modules of the `--import MODULE` options before the command, the rest)."""
     modules, rest = [], list(argv)
-    while len(rest) >= 2 and rest[0] == "--import":
-        modules.append(rest[1])
-        rest = rest[2:]
-    if rest[:1] == ["--import"]:
-        raise ConfigError("--import: expected a module name")
+    while rest and (rest[0] == "--import" or rest[0].startswith("--import=")):
+        name, rest = (rest[1:2], rest[2:]) if rest[0] == "--import" else \
+            ([rest[0].partition("=")[2]], rest[1:])
+        if not name or not name[0]:
+            raise ConfigError("--import: expected a module name")
+        modules += name
     return modules, rest
 
 
@@ -120,7 +121,7 @@ def import_modules(modules: Sequence[str]) -> None:
             raise ConfigError(f"--import {name}: cannot import it ({e})") from None
 
 
-def _dispatch(argv: list[str], from_shell: bool, imports: Sequence[str] = ()) -> int:
+def _dispatch(argv: list[str], imports: Sequence[str] = ()) -> int:
     command = argv[0] if argv else ""
     if command in ("", "-h", "--help"):
         (sys.stdout if command else sys.stderr).write(USAGE)
@@ -135,17 +136,17 @@ def _dispatch(argv: list[str], from_shell: bool, imports: Sequence[str] = ()) ->
             return int(module.main(argv[1:]))
     from captioning.commands.lightning import lightning_cli
 
-    lightning_cli(None if from_shell and not imports else argv)
+    lightning_cli(argv)
     return 0
 
 
-def _run(argv: list[str], from_shell: bool) -> int:
+def _run(argv: list[str]) -> int:
     imports, argv = split_imports(argv)
     import_modules(imports)
     if not argv or argv[0] in NO_WANDB or argv[0].startswith("-"):
-        return _dispatch(argv, from_shell, imports)
+        return _dispatch(argv, imports)
     try:
-        status = _dispatch(argv, from_shell, imports)
+        status = _dispatch(argv, imports)
     except BaseException:
         _finish_wandb(failed=True)
         raise
@@ -155,12 +156,11 @@ def _run(argv: list[str], from_shell: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a `captioning` command; returns its exit status."""
-    from_shell = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging()
     keep_freed_memory()  # a training step's tensors reuse freed memory (captioning.allocator)
     try:
-        return _run(argv, from_shell)
+        return _run(argv)
     except BaseException as e:
         status = exit_status(e)
         if status is None:

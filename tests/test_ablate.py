@@ -236,9 +236,12 @@ def test_dry_run_lists_every_cell(tiny_grid: Path, capsys: pytest.CaptureFixture
     assert "--model.net.score dot" in out and "--seed_everything 2" in out
     assert not Path("runs").exists() and not Path("out").exists()  # nothing trained or written
     # `captioning --import M ablate`: each cell's child process imports M too
-    assert main(["--import", "json", "ablate", "--grid", str(tiny_grid), "--dry-run",
-                 "--only", "soft/dot", "--seeds", "0"]) == 0
-    assert "  captioning --import json fit --config" in capsys.readouterr().out
+    for imports in (["--import", "json"], ["--import=json"]):
+        assert main([*imports, "ablate", "--grid", str(tiny_grid), "--dry-run",
+                     "--only", "soft/dot", "--seeds", "0"]) == 0
+        assert "  captioning --import json fit --config" in capsys.readouterr().out
+    assert main(["--import=", "ablate"]) == 2
+    assert "error: --import: expected a module name" in capsys.readouterr().err
 
 
 def test_the_shipped_attention_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

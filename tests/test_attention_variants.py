@@ -192,6 +192,12 @@ def test_sparsemax_projects_onto_the_simplex_with_its_known_jacobian() -> None:
                                torch.tensor([[0.6, 0.4, 0.0, 0.0]]))
     assert torch.equal(sparsemax(torch.zeros(1, 4)), torch.full((1, 4), 0.25))
     assert torch.equal(sparsemax(torch.tensor([[3.0, 0.0, 0.0]])), torch.tensor([[1.0, 0, 0]]))
+    for offset in (1e3, 1e6, 1e8):  # shift-invariant: large scores neither crash nor drift
+        torch.testing.assert_close(sparsemax(torch.tensor([[1.0, 0.8, 0.1, -1.0]]) + offset)
+                                   .sum(-1), torch.ones(1))
+    assert torch.equal(sparsemax(torch.tensor([[1e8, 1e8, 0.0]])), torch.tensor([[0.5, 0.5, 0]]))
+    bad = sparsemax(torch.tensor([[math.nan, 1.0, 0.0], [math.inf, 0.0, 0.0], [1.0, 0.0, 0.0]]))
+    assert bool(bad[:2].isnan().all()) and torch.equal(bad[2], torch.tensor([1.0, 0, 0]))
     torch.manual_seed(4)
     e = torch.randn(5, 9) * 2
     a = sparsemax(e)

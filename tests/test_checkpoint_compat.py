@@ -56,7 +56,8 @@ def test_caption_gives_the_old_captions(tmp_path: Path,
     assert [g["score"] for g in got] == pytest.approx([w["score"] for w in want], abs=1e-4)
 
 
-def test_test_command_gives_the_old_metrics(tmp_path: Path) -> None:
+def test_test_command_gives_the_old_metrics(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     root = generate_shapes(tmp_path / "shapes", num_train=16, num_val=4, num_test=4,
                            image_size=64, seed=0)
     trainer = tmp_path / "trainer.yaml"
@@ -80,3 +81,13 @@ def test_test_command_gives_the_old_metrics(tmp_path: Path) -> None:
     want.pop("test/nll_per_word")
     assert got.pop("images") == 4  # scored images: a count added since
     assert got == pytest.approx(want, abs=1e-6)
+    # A setting the checkpoint predates is the value it was trained with: a flag changing the
+    # network (the same weights, another function) is refused, not evaluated silently.
+    for flag, value, theirs in (("output_tanh", "true", "False"),
+                                ("normalizer", "sparsemax", "'softmax'")):
+        assert main(["test", "--config", str(trainer), "--config", str(model), *source,
+                     "--data.image_size", "64", "--ckpt_path", str(CKPT),
+                     f"--model.net.{flag}", value]) == 2
+        assert f"(the checkpoint has {theirs})" in capsys.readouterr().err
+    assert upgrade_hparams(old["model"])["net"]["output_tanh"] is False
+    assert "weight_init" not in old["model"]["net"]  # written before these fields existed

@@ -296,6 +296,11 @@ def test_every_problem_of_the_data_is_listed_in_the_run_folder(
     assert main(["fit", "--config", str(cfg), "--model.net.score", "cosine"]) == 2
     assert listed.read_text() == kept
 
+    dm = CaptionDataModule(**kwargs, on_bad_data="skip")  # the file may change: after checks
+    dm.records("train")
+    assert not dm.checked  # read, not checked: a command refused now leaves the file
+    dm.setup("fit")
+    assert dm.checked and len(dm.problems) == 11
     clean = cli_config(tmp_path / "clean.yaml", shapes_dm_kwargs, cache_dir, run / "ckpt")
     assert main(["fit", "--config", str(clean)]) == 0
     assert not listed.exists()

@@ -371,7 +371,7 @@ class CaptioningCLI(LightningCLI):
             raise DataError(e.problems, listed_in=saved) from None
         finally:  # what on_bad_data: skip left out, once this command has read its data
             dm = getattr(self, "datamodule", None)
-            if self._run_root is not None and not stopped and getattr(dm, "read", False):
+            if self._run_root is not None and not stopped and getattr(dm, "checked", False):
                 if dm.problems:
                     log.info("the %d skipped problems of the data are listed in %s",
                              len(dm.problems), save_problems(

@@ -210,8 +210,10 @@ class CaptionDataModule(L.LightningDataModule):
         return self._load_records().get(split, [])
 
     @property
-    def read(self) -> bool:  # whether the source's records have been read (`problems` is full)
-        return self._records is not None
+    def checked(self) -> bool:
+        """Whether `problems` holds this run's: the records read and, with `validate_images`,
+        the images of a stage's splits checked (`setup`)."""
+        return self._records is not None and (not self.validate_images or bool(self._validated))
 
     # ---- vocabulary ----------------------------------------------------------------------
 

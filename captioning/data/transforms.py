@@ -7,6 +7,7 @@ Kept free of Lightning so that `captioning caption` starts fast.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,9 @@ def model_input(image: str | os.PathLike[str] | Image, image_size: int, *,
 
     transform = transform or build_image_transform(image_size)
     if isinstance(image, PILImage.Image):  # its EXIF orientation applied, as load_image does
-        return transform(to_rgb(ImageOps.exif_transpose(image)))
+        with contextlib.suppress(Exception):  # a broken EXIF block must not lose the image
+            image = ImageOps.exif_transpose(image)
+        return transform(to_rgb(image))
     return transform(load_image(image, min_side=image_size))
 
 

@@ -338,10 +338,12 @@ def sparsemax(scores: Tensor) -> Tensor:
     (Martins & Astudillo 2016), in float32. Exactly zero outside a support; the gradient
     (autograd's, through the sort) is δ_ij − 1/|S| on the support S, zero elsewhere."""
     z = scores.float()
+    z = z - z.max(dim=-1, keepdim=True).values.detach()  # shift-invariant: exact at any offset
     z_sorted = z.sort(dim=-1, descending=True).values
     k = torch.arange(1, z.size(-1) + 1, device=z.device, dtype=z.dtype)
     cumsum = z_sorted.cumsum(dim=-1)
     k_max = (1 + k * z_sorted > cumsum).sum(dim=-1, keepdim=True)  # |S| >= 1: the top score
+    k_max = k_max.clamp_min(1)  # 0 only for a row with NaN or inf: it stays NaN, as softmax's
     tau = (cumsum.gather(-1, k_max - 1) - 1) / k_max.to(z.dtype)
     return torch.clamp(z - tau, min=0)
 

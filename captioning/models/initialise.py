@@ -26,7 +26,8 @@ def norm_weight(weight: Tensor, *, ortho: bool = True) -> None:
 @torch.no_grad()
 def capgen_init(decoder: nn.Module, *, embed_dim: int) -> None:
     """Initialise a decoder's weights as capgen.py does (its embedding is `embed_dim` wide:
-    the LSTM's input weight is [W | W_c], the previous word's part first)."""
+    the LSTM's input weight is [W | W_c], the previous word's part first). Every linear layer
+    is set so, a scorer of one's own included; other modules keep their own initialisation."""
     for name, module in decoder.named_modules():
         if isinstance(module, nn.Embedding):
             module.weight.normal_(0.0, SCALE)
