@@ -63,10 +63,8 @@ CHECKPOINT_SUFFIX = ".ckpt"
 LEGACY_DECODE_KEYS = {"eval_strategy": "strategy", "beam_size": "beam_size",
                       "max_len": "max_len", "length_penalty": "length_penalty",
                       "forbid_unk": "forbid_unk"}
-#: Fields added to the model config (`model.net`) after the first checkpoints, with the value
-#: every checkpoint written before them had. A checkpoint without one records it explicitly,
-#: so that a config or flag cannot change the network it is evaluated as (none of them adds
-#: weights that a strict load would miss).
+#: `model.net` fields newer than some checkpoints, with the value those were trained with: set
+#: on reading, so that no flag changes the network (no new weights: a strict load sees none).
 NET_FIELDS_ADDED = {"score": "additive", "n_layers_att": 1, "n_layers_init": 1,
                     "normalizer": "softmax", "output_tanh": False, "weight_init": "torch"}
 #: Older state_dict prefixes -> today's (the REINFORCE baselines moved into the objective).
