@@ -236,6 +236,9 @@ def test_sparsemax_attention_trains_and_decodes(fast_path: str) -> None:
     torch.testing.assert_close(rescored, gen.scores, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="normalizer 'sparsemax' is for soft attention"):
         captioner(normalizer="sparsemax", attention="hard")
+    for rule in ("sample", "gumbel", "argmax"):  # the one select() refuses it too
+        with pytest.raises(ValueError, match="is for soft attention"):
+            select(torch.zeros(2, 4), rule, normalizer="sparsemax")
 
 
 # -- Gumbel-softmax straight-through ------------------------------------------------------------

@@ -18,6 +18,7 @@ from captioning.checkpoint import STATE_KEY_MAP, load_checkpoint, upgrade, upgra
 from captioning.cli import main
 from captioning.data.shapes import generate_shapes
 from captioning.models.captioner import DecodeConfig
+from captioning.models.pretrained import MODEL_DIGEST
 
 OLD = Path(__file__).resolve().parent / "data" / "main_v1"
 CKPT = OLD / "hard_token.ckpt"
@@ -91,3 +92,24 @@ def test_test_command_gives_the_old_metrics(tmp_path: Path,
         assert f"(the checkpoint has {theirs})" in capsys.readouterr().err
     assert upgrade_hparams(old["model"])["net"]["output_tanh"] is False
     assert "weight_init" not in old["model"]["net"]  # written before these fields existed
+    # An exported folder written before them (no such fields, no settings digest) likewise.
+    folder = tmp_path / "exported"
+    assert main(["export", "--checkpoint", str(CKPT), "--out", str(folder)]) == 0
+    config = json.loads((folder / "config.json").read_text())
+    for name in ("normalizer", "output_tanh", "weight_init"):
+        del config["model"][name]
+    config.get("sha256", {}).pop(MODEL_DIGEST, None)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["test", "--config", str(trainer), "--config", str(model), *source,
+                 "--data.image_size", "64", "--ckpt_path", str(folder),
+                 "--model.net.output_tanh", "true"]) == 2
+    assert "(the checkpoint has False)" in capsys.readouterr().err
+    # a setting that only decides how weights start is no conflict: every weight is loaded
+    assert main(["test", "--config", str(trainer), "--config", str(model), *source,
+                 "--data.image_size", "64", "--data.batch_size", "8",
+                 "--data.eval_batch_size", "4", "--data.cache_dir", str(tmp_path / "features"),
+                 "--ckpt_path", str(folder), "--model.net.weight_init", "capgen",
+                 "--model.results_dir", str(tmp_path / "folder_results")]) == 0
+    got = json.loads((tmp_path / "folder_results" / "test_metrics.json").read_text())
+    got.pop("images")
+    assert got == pytest.approx(want, abs=1e-6)

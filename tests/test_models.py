@@ -425,9 +425,19 @@ def test_capgen_weight_init_follows_the_authors_code() -> None:
     assert 0.008 < float(dec.embed.weight.std()) < 0.012
     assert orthogonal(dec.attention.deep[0].weight)  # W_att_1, square: orthogonal
     assert orthogonal(dec.attention.query.weight)  # W_h, 24 x 24: square
-    assert not orthogonal(dec.attention.key.weight)  # W_a (Wc_att): never orthogonal
+    assert 0.008 < float(dec.attention.key.weight.std()) < 0.012  # W_a (Wc_att), not square
     assert 0.008 < float(dec.out.weight.std()) < 0.012
     assert all(not b.any() for n, b in dec.named_parameters() if "bias" in n)
+    # every matrix square where capgen.py could make it so: 512-d grid, E = H = 128, 4H = 512
+    square = Captioner(CaptionerConfig(**{**net, "embed_dim": 128, "hidden_dim": 128,
+                                          "attn_dim": 512}, weight_init="capgen"))
+    lstm, H = square.decoder.lstm, 128
+    for g in range(4):
+        assert orthogonal(lstm.weight_ih[g * H:(g + 1) * H, :128].detach())  # W, gate by gate
+    assert orthogonal(lstm.weight_ih[:, 128:].detach())  # W_c, (4H, D) as one matrix
+    key = square.decoder.attention.key.weight.detach()
+    assert key.size(0) == key.size(1) and not orthogonal(key)  # Wc_att: square, yet N(0, 0.01²)
+    assert 0.008 < float(key.std()) < 0.012
     torch.manual_seed(0)  # the same draws for the encoder, built first: its weights are kept
     plain = Captioner(CaptionerConfig(**net))
     assert float(plain.decoder.embed.weight.detach().std()) > 0.5  # PyTorch's N(0, 1) embedding

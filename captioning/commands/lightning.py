@@ -34,6 +34,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from captioning.atomic import write_json_atomic
+from captioning.callbacks.problems import DataProblemsFile
 from captioning.checkpoint import (
     CHECKPOINT_VOCAB_KEY,
     CheckpointError,
@@ -65,7 +66,7 @@ from captioning.commands.hints import (
 )
 from captioning.data.carving import CARVING_KEY, check_carving
 from captioning.data.datamodule import CaptionDataModule
-from captioning.data.problems import PROBLEMS_FILE, DataError, save_problems
+from captioning.data.problems import DataError, save_problems
 from captioning.lit_module import CaptioningModule
 from captioning.locks import claim_folder
 from captioning.models.captioner import DecodeConfig
@@ -89,7 +90,7 @@ USER_WINS = (*(f"model.decode.{f.name}" for f in fields(DecodeConfig)), "model.c
              "model.net.hard_decode")
 #: Settings that only decide how a model is initialised: with a checkpoint every weight comes
 #: from it, so a flag that differs from the checkpoint's is no conflict.
-INIT_ONLY = ("model.net.weights", "model.init_from")
+INIT_ONLY = ("model.net.weights", "model.net.weight_init", "model.init_from")
 #: Model settings that `model.init_from` never takes from its checkpoint: the new stage's own.
 INIT_FROM_KEEPS = ("_instantiator", "vocab_size", "init_from", "objective", "scst")
 #: Where `model.init_from` puts its checkpoint's vocabulary for the data module, in the run folder.
@@ -242,14 +243,18 @@ class CaptioningCLI(LightningCLI):
         if not given(raw, "data.vocab_path"):
             self.config[sub]["data"]["vocab_path"] = str(folder / VOCAB_FILE)
         self.config[sub]["ckpt_path"] = None
-        return {"net": {**self._model_folder.model, "weights": None},
-                "decode": self._model_folder.decode, **self._model_folder.training}
+        # an older folder's settings hold the fields it predates, as a checkpoint's do
+        return upgrade_hparams({"net": {**self._model_folder.model, "weights": None},
+                                "decode": self._model_folder.decode,
+                                **self._model_folder.training})
 
     def instantiate_classes(self) -> None:
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         try:
             super().instantiate_classes()
+            if self._run_root is not None:  # the data's problems, once a stage's data is set up
+                self.trainer.callbacks.append(DataProblemsFile(self._run_root))
             folder = getattr(self, "_model_folder", None)
             if folder is not None:
                 folder.load_into(self.model.captioner)
@@ -360,25 +365,15 @@ class CaptioningCLI(LightningCLI):
                  **kwargs: Any) -> None:
         self._claims = claims
         self._run_root: Path | None = None  # held by this command: its data problems go there
-        stopped = False
         try:
             super().__init__(*args, **kwargs)
         except DataError as e:  # every problem listed in the run folder (the message has ten)
-            stopped = True
-            if self._run_root is None:
+            if self._run_root is None or not self.subcommand:
                 raise
-            saved = save_problems(self._run_root, e.problems, f"{self.subcommand}: stopped")
+            skipped = getattr(getattr(self, "datamodule", None), "problems", [])
+            problems = list(dict.fromkeys([*skipped, *e.problems]))  # what led to the stop too
+            saved = save_problems(self._run_root, self.subcommand, problems, "stopped")
             raise DataError(e.problems, listed_in=saved) from None
-        finally:  # what on_bad_data: skip left out, once this command has read its data
-            dm = getattr(self, "datamodule", None)
-            if self._run_root is not None and not stopped and getattr(dm, "checked", False):
-                if dm.problems:
-                    log.info("the %d skipped problems of the data are listed in %s",
-                             len(dm.problems), save_problems(
-                                 self._run_root, dm.problems,
-                                 f"{self.subcommand}: skipped by data.on_bad_data"))
-                else:  # clean data: an earlier command's list no longer holds
-                    (self._run_root / PROBLEMS_FILE).unlink(missing_ok=True)
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config

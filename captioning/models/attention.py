@@ -353,6 +353,9 @@ def select(scores: Tensor, rule: SelectRule, *, tau: float | Tensor = 1.0,
     """α_t = softmax(e_t) (Eq. 5), or `sparsemax` (soft attention only), then the weights by
     `rule` (`tau` and the Gumbel `noise` (B, L) apply to the gumbel rule; fresh noise when
     None)."""
+    if normalizer != "softmax" and rule != "expected":  # its α is no distribution to sample
+        raise ValueError(f"normalizer {normalizer!r} is for soft attention (rule 'expected'), "
+                         f"not rule {rule!r}")
     alpha = sparsemax(scores) if normalizer == "sparsemax" else \
         F.softmax(scores, dim=-1, dtype=torch.float32)  # (B, L), float32 under autocast
     if rule == "expected":

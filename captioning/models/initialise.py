@@ -2,7 +2,7 @@
 
 The authors' code draws every weight matrix from N(0, 0.01²), or a random orthogonal matrix
 where it is square (`norm_weight`, `ortho_weight`); the LSTM's recurrent matrix U is orthogonal
-gate by gate; the attention's key projection (`Wc_att`) is never orthogonal; every bias and the
+gate by gate, its input W gate by gate and its context weight W_c whole where square; the attention's key projection (`Wc_att`) is never orthogonal; every bias and the
 embedding's rows (N(0, 0.01²)) start so too. PyTorch's defaults (`torch`) are the project's.
 """
 
@@ -40,7 +40,7 @@ def capgen_init(decoder: nn.Module, *, embed_dim: int) -> None:
             for g in range(4):  # i, f, g, o: capgen.py concatenates one matrix per gate
                 rows = slice(g * H, (g + 1) * H)
                 norm_weight(module.weight_ih[rows, :embed_dim])  # W (the previous word)
-                module.weight_ih[rows, embed_dim:].normal_(0.0, SCALE)  # W_c (the context)
                 norm_weight(module.weight_hh[rows])  # U: orthogonal
+            norm_weight(module.weight_ih[:, embed_dim:])  # W_c: one (D, 4H) matrix in capgen.py
             module.bias_ih.zero_()
             module.bias_hh.zero_()
