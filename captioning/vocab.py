@@ -24,10 +24,11 @@ PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS: tuple[str, ...] = (PAD, START, END, UNK)
 
 
-#: Characters of scripts written without spaces between words, each a token: the CJK
-#: ideographs (with extension A, the compatibility block and the supplementary planes), the
-#: ideographic iteration marks, hiragana and katakana.
-CJK = "\u3005-\u3007\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ffff"
+#: Characters of scripts written without spaces between words, each a token where it is a
+#: letter (not ・ or ゛): the CJK ideographs (with extension A, the compatibility block and the
+#: supplementary planes), the ideographic iteration marks, hiragana and katakana (half-width too).
+CJK = ("\u3005-\u3007\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
+       "\U00020000-\U0002ffff")
 
 
 @functools.cache
@@ -47,13 +48,27 @@ def token_pattern() -> re.Pattern[str]:
                    for a, b in marks)
     letter = rf"(?![{CJK}])[^\W_]"
     char = rf"(?:{letter}|[{part}])"
-    return re.compile(rf"[{CJK}]|{letter}{char}*(?:'{char}+)*")
+    return re.compile(rf"(?=[^\W_])[{CJK}]|{letter}{char}*(?:'{char}+)*")
+
+
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_CJK_CHAR = re.compile(rf"[{CJK}]")
+
+
+def _spaced(match: re.Match[str]) -> str:
+    c = match.group()
+    if c.isalnum():
+        return f" {c} " if _CJK_CHAR.match(c) else c
+    return c if unicodedata.category(c).startswith("M") else " "
 
 
 def space_cjk(text: str) -> str:
-    """`text` with a space either side of each `CJK` character, so that a tokenizer that splits
-    on spaces (coco-caption's PTBTokenizer) reads them a character a token, as `tokenize`."""
-    return text if text.isascii() else re.sub(rf"([{CJK}])", r" \1 ", text)
+    """`text` as a tokenizer that splits on spaces and drops ASCII punctuation (coco-caption's
+    PTBTokenizer) must get it to read `tokenize`'s words: each `CJK` letter spaced apart, and
+    the other characters outside ASCII that `tokenize` drops (。、「」・！…) made spaces."""
+    if text.isascii():
+        return text
+    return _NON_ASCII.sub(_spaced, unicodedata.normalize("NFC", text))
 
 
 #: `token_pattern` on ASCII text, where it has no marks to read and needs no NFC: 2.5x faster.

@@ -48,6 +48,9 @@ def test_the_tokenizer_keeps_words_of_any_script() -> None:
     assert tokenize("一只猫在桌子上。") == ["一", "只", "猫", "在", "桌", "子", "上"]
     assert tokenize("人々が歩いている") == ["人", "々", "が", "歩", "い", "て", "い", "る"]
     assert tokenize("a 猫 sat") == ["a", "猫", "sat"]
+    # the punctuation among them is dropped (・ lies among the katakana), half-width kana read
+    assert tokenize("「猫・犬」、ｶﾀｶﾅ！") == ["猫", "犬", "ｶ", "ﾀ", "ｶ", "ﾅ"]
+    assert tokenize("カ\u3099ラス") == ["ガ", "ラ", "ス"]  # composed as NFC first
     assert tokenize("고양이가 있다") == ["고양이가", "있다"]
     # vowel signs are combining marks, which `\w` leaves out: the words stay whole
     assert tokenize("एक कुत्ता घास पर दौड़ता है") == ["एक", "कुत्ता", "घास", "पर", "दौड़ता", "है"]
@@ -67,3 +70,17 @@ def test_the_ascii_fast_path_finds_the_general_patterns_words() -> None:
     for _ in range(2000):
         text = "".join(rng.choice(string.printable) for _ in range(rng.randint(0, 40))).lower()
         assert ASCII_WORD.findall(text) == token_pattern().findall(text), text
+
+
+def test_the_metrics_spacing_gives_the_tokenizers_words() -> None:
+    """`space_cjk` is what coco-caption's PTBTokenizer reads: split on spaces (it lowercases and
+    drops ASCII punctuation itself), it gives `tokenize`'s tokens for text outside ASCII."""
+    import string
+
+    from captioning.vocab import space_cjk
+
+    for text in ("一只猫在桌子上。", "「猫・犬」、ｶﾀｶﾅ！", "カ\u3099ラス", "人々が歩いている",
+                 "Café jalapeño…", "एक कुत्ता दौड़ता है", "a 猫 sat\u3000on", "«le chat» — noir"):
+        words = [w for w in space_cjk(text).lower().split() if w.strip(string.punctuation)]
+        assert words == tokenize(text), text
+    assert space_cjk("A dog, running.") == "A dog, running."  # ASCII: as it was
