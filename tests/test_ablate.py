@@ -171,6 +171,12 @@ def test_a_cell_done_by_other_code_trains_again_unless_kept(
     run("a")
     run("a")
     assert calls == ["a" * 12]  # the same code: done
+    result = cells[0].run_dir / ablate.RESULT_FILE
+    good = result.read_text()
+    result.write_text("{damaged")
+    assert run("a")[0]["BLEU-4"] == 0.5  # results.csv's figure stands; nothing trains
+    assert calls == ["a" * 12] and any("cannot read" in m for m in caplog.messages)
+    result.write_text(good)
     run("b", keep_done=True)
     assert calls == ["a" * 12]
     assert ("soft/dot seed 0 was done by other code (aaaaaaaaaaaa; now bbbbbbbbbbbb): kept "

@@ -212,6 +212,15 @@ def test_overlays_into_the_image_folder_leave_the_inputs_alone(trained: Trained,
     assert {n: (tmp_path / n).read_bytes() for n in before} == before
     assert overlay_names([tmp_path / "a.png", Path("elsewhere/a.png")], tmp_path) == [
         "a-2.png", "a-3.png"]
+    # through symlinks: neither a link in the folder nor the file a link elsewhere reads
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "real.png").write_bytes(b"")
+    (tmp_path / "link.png").symlink_to(tmp_path / "z" / "real.png")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "alias.png").symlink_to(tmp_path / "a.png")
+    assert overlay_names([tmp_path / "link.png"], tmp_path) == ["link-2.png"]
+    assert overlay_names([tmp_path / "other" / "alias.png", tmp_path / "z" / "a.png"],
+                         tmp_path) == ["alias.png", "a-2.png"]
 
 
 def test_unreadable_folders_and_symlink_loops_are_input_problems(

@@ -260,6 +260,14 @@ def test_unchecked_images_fail_the_cache_build_naming_the_entry(
     assert problem.message.endswith("data.validate_images is false: set it true to list every "
                                     "bad image before any step (with data.on_bad_data: skip, "
                                     "to leave them out)")
+    # checked up front (a header check) and still bad when decoded: no hint to set it true
+    from captioning.data.images import ImageLoadError
+    from captioning.data.reading import unchecked_image
+
+    record = next(r for r in dm.records("train") if Path(r.path).name == name)
+    (checked,) = unchecked_image([record], "train", ImageLoadError(record.path, "truncated"),
+                                 validated=True)
+    assert (checked.file, checked.message) == (str(record.path), "truncated")
     assert not list((tmp_path / "cache").rglob("*.npy"))  # nothing half-built left behind
 
 
@@ -267,8 +275,8 @@ def test_every_problem_of_the_data_is_listed_in_the_run_folder(
         messy_root: Path, messy_kwargs: dict, shapes_dm_kwargs: dict, cache_dir: Path,
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The error lists ten problems; the run folder's data_problems.txt lists them all, as do
-    the problems `on_bad_data: skip` left out. A later command that reads clean data removes
-    it; one refused before it reads any leaves it."""
+    the problems `on_bad_data: skip` left out, a section a stage. A later run of the stage
+    that reads clean data removes its section; one refused before it reads any leaves it."""
     root = tmp_path / "data"
     shutil.copytree(messy_root, root)
     for i in range(15, 21):  # six more missing: 11 problems
@@ -295,6 +303,12 @@ def test_every_problem_of_the_data_is_listed_in_the_run_folder(
     kept = listed.read_text()  # a command refused before it reads any data leaves the list
     assert main(["fit", "--config", str(cfg), "--model.net.score", "cosine"]) == 2
     assert listed.read_text() == kept
+    # a test of clean images checks no training image: fit's list stays, beside the test's own
+    assert main(["test", "--config", str(cfg), "--data.on_bad_data", "skip",
+                 "--ckpt_path", str(run / "ckpt" / "last.ckpt")]) == 0
+    assert listed.read_text().startswith(kept)
+    assert all(not ln.startswith("# ") or "(test: " in ln
+               for ln in listed.read_text()[len(kept):].splitlines())
 
     dm = CaptionDataModule(**kwargs, on_bad_data="skip")  # the file may change: after checks
     dm.records("train")
@@ -303,4 +317,30 @@ def test_every_problem_of_the_data_is_listed_in_the_run_folder(
     assert dm.checked and len(dm.problems) == 11
     clean = cli_config(tmp_path / "clean.yaml", shapes_dm_kwargs, cache_dir, run / "ckpt")
     assert main(["fit", "--config", str(clean)]) == 0
-    assert not listed.exists()
+    assert "(fit: " not in listed.read_text() if listed.exists() else True
+    assert main(["test", "--config", str(clean), "--ckpt_path", "last"]) == 0
+    assert not listed.exists()  # every section's data read clean since: no list holds
+
+
+def test_a_stages_problems_are_its_section_of_the_list(tmp_path: Path) -> None:
+    """`save_problems` replaces its stage's section only; none removes it; the file goes with
+    its last one; an unreadable file is replaced."""
+    from captioning.data.problems import PROBLEMS_FILE, Problem, save_problems
+
+    a, b = Problem("x.json", "images[1]", "file", "gone"), Problem("y.png", "(file)", "image", "bad")
+    file = tmp_path / PROBLEMS_FILE
+    assert save_problems(tmp_path, "test", [b], "skipped") == file
+    assert save_problems(tmp_path, "fit", [a, b], "stopped") == file
+    assert file.read_text().splitlines() == [
+        "# 2 problems in the data (fit: stopped)", str(a), str(b),
+        "# 1 problems in the data (test: skipped)", str(b)]
+    save_problems(tmp_path, "fit", [b], "skipped")
+    assert file.read_text().splitlines() == [
+        "# 1 problems in the data (fit: skipped)", str(b),
+        "# 1 problems in the data (test: skipped)", str(b)]
+    assert save_problems(tmp_path, "test", [], "skipped") == file
+    assert "test" not in file.read_text()
+    assert save_problems(tmp_path, "fit", [], "skipped") is None and not file.exists()
+    file.write_bytes(b"\xff\xfe garbage")
+    save_problems(tmp_path, "validate", [a], "skipped")
+    assert file.read_text().splitlines() == ["# 1 problems in the data (validate: skipped)", str(a)]

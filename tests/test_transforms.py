@@ -48,8 +48,9 @@ def test_model_input_reads_a_file_and_its_pil_image_alike(tmp_path) -> None:
 
     from captioning.data.transforms import model_input, model_inputs
 
-    im = Image.new("RGB", (48, 24), (0, 0, 255))
-    im.paste((255, 0, 0), (0, 0, 12, 24))  # a red band on the left
+    im = Image.new("RGB", (200, 100), (0, 0, 255))  # large enough to decode at half scale
+    im.paste((255, 0, 0), (0, 0, 50, 100))  # a red band on the left
+    im.paste((0, 255, 0), (60, 40, 70, 50))  # fine detail, where the scales differ
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90° clockwise on display
     path = tmp_path / "rotated.jpg"
@@ -57,7 +58,10 @@ def test_model_input_reads_a_file_and_its_pil_image_alike(tmp_path) -> None:
     from_file = model_input(path, 32)
     with Image.open(path) as opened:
         assert torch.equal(model_input(opened, 32), from_file)
+    with Image.open(path) as opened:
+        opened.load()  # decoded in full by hand first: not the file's reduced decoding
         plain = Image.fromarray(np.asarray(opened))  # the same pixels, no EXIF: not rotated
         assert not torch.equal(model_input(plain, 32), from_file)
+        assert not torch.equal(model_input(opened, 32), from_file)
     assert from_file.shape == (3, 32, 32)
     assert torch.equal(model_inputs([path, path], 32), torch.stack([from_file, from_file]))

@@ -335,9 +335,13 @@ def run_grid(grid: Grid, cells: Sequence[Cell], out: Path, *, prepare: Path | No
             log.info("[%d/%d] %s seed %d: done before, kept", i, len(cells), cell.variant,
                      cell.seed)
             result = cell.run_dir / RESULT_FILE  # a metric added to the grid needs no training
-            if result.is_file():
-                rows[(cell.variant, cell.seed)].update(
-                    cell_metrics(json.loads(result.read_text()), grid.metrics))
+            try:
+                if result.is_file():
+                    rows[(cell.variant, cell.seed)].update(
+                        cell_metrics(json.loads(result.read_text()), grid.metrics))
+            except (OSError, ValueError) as e:  # damaged: the row keeps results.csv's figures
+                log.warning("%s: cannot read (%s); its row keeps the figures of %s", result,
+                            e, csv_path)
             continue
         log.info("[%d/%d] %s seed %d: training in %s", i, len(cells), cell.variant, cell.seed,
                  cell.run_dir)

@@ -117,9 +117,15 @@ def expand_inputs(args: Sequence[str]) -> Inputs:
 
 def overlay_names(paths: Sequence[Path], folder: Path | None = None) -> list[str]:
     """One distinct PNG file name per image: its stem, with -2, -3, ... on repeats and where
-    the name is that of an input in `folder` (the overlays' folder), which it would replace."""
+    the name is that of an input in `folder` (the overlays' folder), which it would replace:
+    the input's own name, and a symlink's target's where that lies there."""
     here = resolved(folder) if folder is not None else None
-    used = {p.name.lower() for p in paths if here is not None and resolved(p).parent == here}
+    used: set[str] = set()
+    for p in paths if here is not None else ():
+        if resolved(p.absolute().parent) == here:  # the input (or the link) itself
+            used.add(p.name.lower())
+        if resolved(p).parent == here:  # the file it reads
+            used.add(resolved(p).name.lower())
     names = []
     for p in paths:
         stem, n = p.stem or "image", 1

@@ -377,8 +377,9 @@ class CaptionDataModule(L.LightningDataModule):
                 batch_size=self.eval_batch_size, num_workers=self.num_workers,
                 device=self._cache_device, progress=f"caching {split} features",
                 verify=self.cache_verify)
-        except ImageLoadError as e:  # data.validate_images false: the first bad image met
-            raise DataError(unchecked_image(records, split, e)) from None
+        except ImageLoadError as e:  # the first bad image met (unchecked, or damaged within)
+            raise DataError(unchecked_image(records, split, e,
+                                            validated=self.validate_images)) from None
 
     def _train_tokens(self, records: list[ImageRecord]) -> TokenIndex:
         """Tokens of every caption of `records` (cached for the current training records)."""

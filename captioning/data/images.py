@@ -151,6 +151,13 @@ def _open(path: Path) -> Iterator[Image.Image]:
             yield im
 
 
+def draft(im: Image.Image, min_side: int | None) -> None:
+    """Have a JPEG not yet decoded decode at the smallest DCT scale that keeps both sides >=
+    `min_side` (Pillow's `draft`, in place; nothing for other formats or without `min_side`)."""
+    if min_side is not None and im.format == "JPEG":
+        im.draft(im.mode, (min_side, min_side))
+
+
 def load_image(path: str | os.PathLike[str], *, min_side: int | None = None) -> Image.Image:
     """Open `path` as an RGB image with its EXIF orientation applied.
 
@@ -162,8 +169,7 @@ def load_image(path: str | os.PathLike[str], *, min_side: int | None = None) -> 
     _precheck(path)
     try:
         with _open(path) as im:
-            if min_side is not None and im.format == "JPEG":
-                im.draft(im.mode, (min_side, min_side))
+            draft(im, min_side)
             im.load()
             try:
                 ImageOps.exif_transpose(im, in_place=True)

@@ -49,11 +49,45 @@ class DataError(ValueError):
         super().__init__(msg)
 
 
-def save_problems(folder: str | Path, problems: Sequence[Problem], what: str) -> Path:
-    """Write every one of `problems` (what they did to the run: `what`) to `folder`'s
-    `PROBLEMS_FILE`, one a line as a `DataError` lists them, atomically. Returns its path."""
-    lines = [f"# {len(problems)} problems in the data ({what})", *map(str, problems)]
-    return write_text_atomic(Path(folder) / PROBLEMS_FILE, "\n".join(lines) + "\n")
+_SECTION = re.compile(r"# [0-9]+ problems in the data \(([a-z]+): ")
+
+
+def save_problems(folder: str | Path, stage: str, problems: Sequence[Problem],
+                  what: str) -> Path | None:
+    """`stage`'s section of `folder`'s `PROBLEMS_FILE`: every one of `problems` (what they did
+    to the run: `what`), one a line as a `DataError` lists them, under a `# N problems in the
+    data (STAGE: WHAT)` line; none removes the section. Other stages' sections are kept (a clean
+    `test` leaves the skipped training images of `fit` listed); the file goes with its last
+    section. Written atomically; returns the file's path, or None when it is gone."""
+    file = Path(folder) / PROBLEMS_FILE
+    sections: dict[str, list[str]] = {}
+    try:
+        current: list[str] | None = None
+        for line in file.read_text(encoding="utf-8").splitlines():
+            head = _SECTION.match(line)
+            if head:
+                current = sections.setdefault(head.group(1), [])
+            if current is not None:  # lines before any header: not a list this writes
+                current.append(line)
+    except FileNotFoundError:
+        pass
+    except (OSError, UnicodeDecodeError):  # unreadable: replaced by this stage's list
+        sections = {}
+    sections.pop(stage, None)
+    if problems:
+        sections[stage] = [f"# {len(problems)} problems in the data ({stage}: {what})",
+                           *map(str, problems)]
+    if not sections:
+        file.unlink(missing_ok=True)
+        return None
+    text = "".join("\n".join(lines) + "\n" for _, lines in sorted(
+        sections.items(), key=lambda kv: (STAGE_ORDER.index(kv[0])
+                                          if kv[0] in STAGE_ORDER else len(STAGE_ORDER))))
+    return write_text_atomic(file, text)
+
+
+#: The order of `save_problems`' sections.
+STAGE_ORDER = ("fit", "validate", "test", "predict")
 
 
 def in_file_order(problems: Sequence[Problem]) -> list[Problem]:

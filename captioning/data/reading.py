@@ -38,13 +38,16 @@ def bad_images(records: Sequence[ImageRecord], reasons: Sequence[str | None], sp
                     f"--data.source.{key} with the folder that holds them"), *bad]
 
 
-def unchecked_image(records: Sequence[ImageRecord], split: str,
-                    error: ImageLoadError) -> list[Problem]:
-    """The problem of the bad image `error` met with `data.validate_images` false: its entry
-    among `records` (by path), and how to have every bad image listed before any step."""
+def unchecked_image(records: Sequence[ImageRecord], split: str, error: ImageLoadError, *,
+                    validated: bool = False) -> list[Problem]:
+    """The problem of the bad image `error` met while decoding: its entry among `records` (by
+    path); unless the images were `validated` up front (a header check, no pixel decoding:
+    a damaged body or a file replaced since passes it), how to have every bad image listed
+    before any step."""
     found = [r for r in records if Path(r.path).resolve() == error.path.resolve()]
-    hint = ("; data.validate_images is false: set it true to list every bad image before "
-            "any step (with data.on_bad_data: skip, to leave them out)")
+    hint = "" if validated else (
+        "; data.validate_images is false: set it true to list every bad image before any "
+        "step (with data.on_bad_data: skip, to leave them out)")
     why = (error.reason or "cannot be read") + hint
     return bad_images(found[:1], [why], split) if found else [
         Problem(str(error.path), f"{split} image", "image", why)]

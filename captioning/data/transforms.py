@@ -39,15 +39,18 @@ def model_input(image: str | os.PathLike[str] | Image, image_size: int, *,
                 transform: Callable[[Any], Tensor] | None = None) -> Tensor:
     """One image as a model of input size `image_size` reads it, (3, S, S): a file loaded with
     `load_image` (any mode to RGB, EXIF orientation applied; a JPEG decoded no smaller than
-    needed), or a PIL image so converted and oriented, then the evaluation transform (`transform`:
-    built once by a caller with many images). Raises `ImageLoadError` for a bad file."""
+    needed), or a PIL image so converted and oriented (a JPEG opened and not yet decoded is
+    decoded as its file would be: `images.draft`, on that object), then the evaluation
+    transform (`transform`: built once by a caller with many images). Raises `ImageLoadError`
+    for a bad file."""
     from PIL import Image as PILImage
     from PIL import ImageOps
 
-    from captioning.data.images import load_image, to_rgb
+    from captioning.data.images import draft, load_image, to_rgb
 
     transform = transform or build_image_transform(image_size)
     if isinstance(image, PILImage.Image):  # its EXIF orientation applied, as load_image does
+        draft(image, image_size)  # a no-op once its pixels are decoded
         with contextlib.suppress(Exception):  # a broken EXIF block must not lose the image
             image = ImageOps.exif_transpose(image)
         return transform(to_rgb(image))
