@@ -403,6 +403,34 @@ def test_sigterm_during_validation_resumes_into_that_validation(
     assert scores[0] == pytest.approx(scores[1], rel=1e-6)
 
 
+def test_an_interruption_at_the_validations_end_counts_it_once(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path) -> None:
+    # Row: a second Ctrl-C after EarlyStopping's on_validation_end ran saved its patience with
+    # that validation counted, and the resumed run counted the validation again.
+    early = {"class_path": "lightning.pytorch.callbacks.EarlyStopping",
+             "init_args": {"monitor": "val/loss", "patience": 3,
+                           "check_on_train_epoch_end": False}}
+    stop = {"class_path": "tiny_runs.InterruptAt",
+            "init_args": {"how": "KeyboardInterrupt", "epoch": 0, "val_end": True}}
+
+    def early_state(path: Path) -> dict[str, Any]:
+        states = torch.load(path, map_location="cpu", weights_only=True)["callbacks"]
+        (state,) = (v for k, v in states.items() if k.startswith("EarlyStopping"))
+        return state
+
+    ckpt, whole = tmp_path / "ckpt", tmp_path / "whole"
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, ckpt, [early, stop], name="stop.yaml")
+    assert main(["fit", "--config", str(cfg)]) != 0
+    assert early_state(ckpt / "last.ckpt")["best_score"].isinf()  # as validation started
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, ckpt, [early], name="resume.yaml")
+    assert main(["fit", "--config", str(cfg), "--ckpt_path", "last"]) == 0
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, whole, [early], name="whole.yaml")
+    assert main(["fit", "--config", str(cfg)]) == 0
+    resumed, uninterrupted = early_state(ckpt / "last.ckpt"), early_state(whole / "last.ckpt")
+    assert resumed["wait_count"] == uninterrupted["wait_count"] == 0
+    assert float(resumed["best_score"]) == pytest.approx(float(uninterrupted["best_score"]))
+
+
 def test_evaluation_scores_with_the_checkpoints_own_vocabulary(
         shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:

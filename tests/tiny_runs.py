@@ -125,9 +125,14 @@ class InterruptAt(L.Callback):
     batch `batch` of it), `presses` times."""
 
     def __init__(self, how: str = "SIGTERM", epoch: int = 0, batch: int | None = None,
-                 presses: int = 1, val_batch: int | None = None) -> None:
+                 presses: int = 1, val_batch: int | None = None, val_end: bool = False) -> None:
         self.how, self.epoch, self.batch, self.presses = how, epoch, batch, presses
         self.val_batch = val_batch  # instead: after this validation batch of epoch `epoch`
+        self.val_end = val_end  # instead: KeyboardInterrupt in the hooks of its validation's end
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.val_end and trainer.current_epoch == self.epoch and not trainer.sanity_checking:
+            raise KeyboardInterrupt  # a second Ctrl-C: at once, wherever the run is
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                 outputs: Any, batch: Any, batch_idx: int,
@@ -141,7 +146,8 @@ class InterruptAt(L.Callback):
             os.kill(os.getpid(), getattr(signal, self.how))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.how == "KeyboardInterrupt" and trainer.current_epoch == self.epoch:
+        if self.how == "KeyboardInterrupt" and trainer.current_epoch == self.epoch and \
+                not self.val_end:
             raise KeyboardInterrupt
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,

@@ -4,6 +4,7 @@ where `--ckpt_path last` finds it."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import signal
 import threading
@@ -53,6 +54,7 @@ class CheckpointOnInterrupt(L.Callback):
         self._previous_handler: Any = None
         self._epoch_start = False  # saving an interruption that came before the epoch's batches
         self._validating = False  # saving an interruption of the epoch's validation
+        self._before_validation: dict[str, Any] = {}  # the callbacks' states as it started
 
     # -- lightning hooks -------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -62,6 +64,14 @@ class CheckpointOnInterrupt(L.Callback):
         if self.graceful_sigint and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.getsignal(signal.SIGINT)
             signal.signal(signal.SIGINT, self._on_sigint)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A checkpoint saved during this validation resumes into it from its start: the other
+        # callbacks' states go in as they were then, or the hooks of its end that ran before
+        # the interruption (EarlyStopping's patience, a best score) would count it twice.
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._before_validation = {cb.state_key: copy.deepcopy(cb.state_dict())
+                                       for cb in trainer.callbacks if cb is not self}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._training = False
@@ -109,6 +119,9 @@ class CheckpointOnInterrupt(L.Callback):
             _as_epoch_boundary(checkpoint)
         if self._validating:
             _as_validation_start(checkpoint)
+            states = checkpoint.get("callbacks")
+            if isinstance(states, dict):
+                states.update({k: v for k, v in self._before_validation.items() if k in states})
 
     # -- work ------------------------------------------------------------------------------
     def save(self, trainer: L.Trainer) -> Path:
