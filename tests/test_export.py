@@ -244,6 +244,11 @@ def test_export_refuses_a_non_empty_folder(tiny: Tiny, tmp_path: Path,
     assert {p.name for p in out.iterdir()} == FILES | {"notes.txt"}  # other files are kept
     assert export("--checkpoint", out, "--out", out, "--force") == 0  # a folder, in place
     assert Captioner.from_pretrained(out).vocab == tiny.vocab
+    capsys.readouterr()
+    for target in (out / "notes.txt", out / "notes.txt" / "model"):  # a file, or one on the way
+        assert export("--checkpoint", tiny.checkpoint, "--out", target, "--force") == 2
+        assert capsys.readouterr().err == (
+            f"error: --out {target}: {out / 'notes.txt'} is a file, not a folder\n")
 
 
 def test_export_user_errors(tiny: Tiny, tmp_path: Path,

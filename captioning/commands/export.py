@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from captioning.commands.caption import output_problem
 from captioning.commands.errors import error
 
 if TYPE_CHECKING:
@@ -47,8 +48,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _out_problem(out: Path, force: bool) -> str | None:
-    if out.exists() and not out.is_dir():
-        return f"--out {out}: exists and is not a folder"
+    if why := output_problem(out, folder=True):  # a file there, or on its way
+        return f"--out {out}: {why}"
     if out.is_dir() and not force and any(out.iterdir()):
         return f"--out {out}: the folder is not empty; pass --force to replace the model files in it"
     return None
