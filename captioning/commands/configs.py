@@ -130,7 +130,7 @@ def trainer_config_in(path: Path, run_dir: Path, *, without: Iterable[str] = ()
         trainer[key] = [x for x, p in zip(trainer[key], ps) if p not in dropped]
     missing = [w for w in without if not any(w in (p, p.rpartition(".")[2]) for p in dropped)]
     if missing:
-        names = [p.rpartition(".")[2] for ps in paths.values() for p in ps]
+        names = [p.rpartition(".")[2] for ps in paths.values() for p in ps if p]
         raise ConfigError(f"{path}: without {', '.join(missing)}: no logger or callback of this "
                           f"trainer config has that class name (it has: {', '.join(names)})")
     for entry, key in output_folders(trainer):
