@@ -63,9 +63,10 @@ def _spaced(match: re.Match[str]) -> str:
 
 
 def space_cjk(text: str) -> str:
-    """`text` as a tokenizer that splits on spaces and drops ASCII punctuation (coco-caption's
-    PTBTokenizer) must get it to read `tokenize`'s words: each `CJK` letter spaced apart, and
-    the other characters outside ASCII that `tokenize` drops (。、「」・！…) made spaces."""
+    """`text` for coco-caption's PTBTokenizer, whose rules hold for ASCII (its punctuation list
+    dropped; `&`, `%`, hyphenated words kept, as in the literature's scores), so that outside
+    ASCII it reads `tokenize`'s words: each `CJK` letter spaced apart, and the other characters
+    outside ASCII that `tokenize` drops (。、「」・！…) made spaces."""
     if text.isascii():
         return text
     return _NON_ASCII.sub(_spaced, unicodedata.normalize("NFC", text))

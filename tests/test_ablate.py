@@ -173,9 +173,10 @@ def test_a_cell_done_by_other_code_trains_again_unless_kept(
     assert calls == ["a" * 12]  # the same code: done
     result = cells[0].run_dir / ablate.RESULT_FILE
     good = result.read_text()
-    result.write_text("{damaged")
-    assert run("a")[0]["BLEU-4"] == 0.5  # results.csv's figure stands; nothing trains
-    assert calls == ["a" * 12] and any("cannot read" in m for m in caplog.messages)
+    for damaged in ("{damaged", "[]", '{"test": 1}'):  # not JSON, or not a cell's result
+        result.write_text(damaged)
+        assert run("a")[0]["BLEU-4"] == 0.5  # results.csv's figure stands; nothing trains
+        assert calls == ["a" * 12] and any("cannot read" in m for m in caplog.messages)
     result.write_text(good)
     run("b", keep_done=True)
     assert calls == ["a" * 12]

@@ -322,6 +322,31 @@ def test_every_problem_of_the_data_is_listed_in_the_run_folder(
     assert not listed.exists()  # every section's data read clean since: no list holds
 
 
+def test_a_stop_lists_what_was_skipped_before_it(messy_root: Path, messy_kwargs: dict,
+                                                 cache_dir: Path, tmp_path: Path) -> None:
+    """With `on_bad_data: skip`, a training split left empty stops the run (before the data
+    module is the CLI's: the vocabulary is built as the model is); the run folder's list holds
+    every caption skipped, then the line that stopped it."""
+    data = json.loads((messy_root / "dataset_shapes.json").read_text())
+    train = [i for i in data["images"] if i["split"] == "train"]
+    for entry in train:
+        for sentence in entry["sentences"]:
+            sentence.update(raw="  ", tokens=[])
+    split_file = tmp_path / "dataset_shapes.json"
+    split_file.write_text(json.dumps(data))
+    kwargs = {**messy_kwargs, "on_bad_data": "skip", "source": KarpathySplits(
+        split_file=str(split_file), image_root=str(messy_root))}
+    run = tmp_path / "run"
+    assert main(["fit", "--config", str(cli_config(tmp_path / "c.yaml", kwargs, cache_dir,
+                                                   run / "ckpt"))]) == 1
+    head, *lines = (run / "data_problems.txt").read_text().splitlines()
+    assert head == f"# {len(lines)} problems in the data (fit: stopped)"
+    assert lines[-1].endswith("train split: field 'split': is empty: no vocabulary can be "
+                              "built from it")
+    assert sum("caption is empty" in ln for ln in lines) >= sum(
+        len(i["sentences"]) for i in train)
+
+
 def test_a_stages_problems_are_its_section_of_the_list(tmp_path: Path) -> None:
     """`save_problems` replaces its stage's section only; none removes it; the file goes with
     its last one; an unreadable file is replaced."""

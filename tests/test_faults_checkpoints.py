@@ -411,7 +411,7 @@ def test_an_interruption_at_the_validations_end_counts_it_once(
              "init_args": {"monitor": "val/loss", "patience": 3,
                            "check_on_train_epoch_end": False}}
     stop = {"class_path": "tiny_runs.InterruptAt",
-            "init_args": {"how": "KeyboardInterrupt", "epoch": 0, "val_end": True}}
+            "init_args": {"how": "KeyboardInterrupt", "epoch": 0, "val_hook": "end"}}
 
     def early_state(path: Path) -> dict[str, Any]:
         states = torch.load(path, map_location="cpu", weights_only=True)["callbacks"]
@@ -429,6 +429,18 @@ def test_an_interruption_at_the_validations_end_counts_it_once(
     resumed, uninterrupted = early_state(ckpt / "last.ckpt"), early_state(whole / "last.ckpt")
     assert resumed["wait_count"] == uninterrupted["wait_count"] == 0
     assert float(resumed["best_score"]) == pytest.approx(float(uninterrupted["best_score"]))
+    # Interrupted as the next validation starts, before this callback kept its states: the
+    # states saved are the live ones, not those kept as the epoch before's validation started.
+    stop["init_args"].update(epoch=1, val_hook="start")
+    again = tmp_path / "again"
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, again, [early, stop], name="again.yaml")
+    spec = yaml.safe_load(cfg.read_text())
+    spec["trainer"]["callbacks"].sort(key=lambda c: "InterruptAt" not in c["class_path"])
+    cfg.write_text(yaml.safe_dump(spec))  # it runs before CheckpointOnInterrupt
+    assert main(["fit", "--config", str(cfg), "--trainer.max_epochs", "2"]) != 0
+    assert step_of(again / "last.ckpt") == 2 * BATCHES
+    assert float(early_state(again / "last.ckpt")["best_score"]) == pytest.approx(
+        float(uninterrupted["best_score"]))  # epoch 0's validation counted, as it ran
 
 
 def test_evaluation_scores_with_the_checkpoints_own_vocabulary(

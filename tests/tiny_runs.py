@@ -125,14 +125,22 @@ class InterruptAt(L.Callback):
     batch `batch` of it), `presses` times."""
 
     def __init__(self, how: str = "SIGTERM", epoch: int = 0, batch: int | None = None,
-                 presses: int = 1, val_batch: int | None = None, val_end: bool = False) -> None:
+                 presses: int = 1, val_batch: int | None = None,
+                 val_hook: str | None = None) -> None:
         self.how, self.epoch, self.batch, self.presses = how, epoch, batch, presses
         self.val_batch = val_batch  # instead: after this validation batch of epoch `epoch`
-        self.val_end = val_end  # instead: KeyboardInterrupt in the hooks of its validation's end
+        self.val_hook = val_hook  # instead: KeyboardInterrupt in its validation's "start"/"end"
+
+    def _interrupt_in(self, hook: str, trainer: L.Trainer) -> None:
+        if self.val_hook == hook and trainer.current_epoch == self.epoch and \
+                not trainer.sanity_checking:
+            raise KeyboardInterrupt  # a second Ctrl-C: at once, wherever the run is
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._interrupt_in("start", trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.val_end and trainer.current_epoch == self.epoch and not trainer.sanity_checking:
-            raise KeyboardInterrupt  # a second Ctrl-C: at once, wherever the run is
+        self._interrupt_in("end", trainer)
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                 outputs: Any, batch: Any, batch_idx: int,
@@ -147,7 +155,7 @@ class InterruptAt(L.Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.how == "KeyboardInterrupt" and trainer.current_epoch == self.epoch and \
-                not self.val_end:
+                self.val_hook is None:
             raise KeyboardInterrupt
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,

@@ -54,7 +54,8 @@ class CheckpointOnInterrupt(L.Callback):
         self._previous_handler: Any = None
         self._epoch_start = False  # saving an interruption that came before the epoch's batches
         self._validating = False  # saving an interruption of the epoch's validation
-        self._before_validation: dict[str, Any] = {}  # the callbacks' states as it started
+        # the other callbacks' states as the fit's latest validation started, and its step
+        self._before_validation: tuple[tuple[int, int], dict[str, Any]] | None = None
 
     # -- lightning hooks -------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -69,9 +70,16 @@ class CheckpointOnInterrupt(L.Callback):
         # A checkpoint saved during this validation resumes into it from its start: the other
         # callbacks' states go in as they were then, or the hooks of its end that ran before
         # the interruption (EarlyStopping's patience, a best score) would count it twice.
-        if trainer.state.fn == "fit" and not trainer.sanity_checking:
-            self._before_validation = {cb.state_key: copy.deepcopy(cb.state_dict())
-                                       for cb in trainer.callbacks if cb is not self}
+        self._before_validation = None
+        if trainer.state.fn != "fit" or trainer.sanity_checking:
+            return
+        try:
+            states = {cb.state_key: copy.deepcopy(cb.state_dict())
+                      for cb in trainer.callbacks if cb is not self}
+        except Exception as e:  # a state that cannot be copied: saved as it is then
+            log.debug("CheckpointOnInterrupt: callback states not kept (%s)", e)
+            return
+        self._before_validation = (_validation_key(trainer), states)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._training = False
@@ -119,9 +127,10 @@ class CheckpointOnInterrupt(L.Callback):
             _as_epoch_boundary(checkpoint)
         if self._validating:
             _as_validation_start(checkpoint)
-            states = checkpoint.get("callbacks")
-            if isinstance(states, dict):
-                states.update({k: v for k, v in self._before_validation.items() if k in states})
+            states, kept = checkpoint.get("callbacks"), self._before_validation
+            if isinstance(states, dict) and kept is not None \
+                    and kept[0] == _validation_key(trainer):  # this validation's, no earlier one's
+                states.update({k: v for k, v in kept[1].items() if k in states and v})
 
     # -- work ------------------------------------------------------------------------------
     def save(self, trainer: L.Trainer) -> Path:
@@ -159,6 +168,11 @@ class CheckpointOnInterrupt(L.Callback):
                 threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._previous_handler)
         self._previous_handler = None
+
+
+def _validation_key(trainer: Any) -> tuple[int, int]:
+    """Which validation of the fit is running: its epoch and training step."""
+    return int(trainer.current_epoch), int(trainer.global_step)
 
 
 def _as_epoch_boundary(checkpoint: dict[str, Any]) -> None:

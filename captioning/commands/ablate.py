@@ -339,7 +339,7 @@ def run_grid(grid: Grid, cells: Sequence[Cell], out: Path, *, prepare: Path | No
                 if result.is_file():
                     rows[(cell.variant, cell.seed)].update(
                         cell_metrics(json.loads(result.read_text()), grid.metrics))
-            except (OSError, ValueError) as e:  # damaged: the row keeps results.csv's figures
+            except (OSError, ValueError, TypeError, AttributeError) as e:  # damaged, or not
                 log.warning("%s: cannot read (%s); its row keeps the figures of %s", result,
                             e, csv_path)
             continue

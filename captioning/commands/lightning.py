@@ -370,8 +370,9 @@ class CaptioningCLI(LightningCLI):
         except DataError as e:  # every problem listed in the run folder (the message has ten)
             if self._run_root is None or not self.subcommand:
                 raise
-            skipped = getattr(getattr(self, "datamodule", None), "problems", [])
-            problems = list(dict.fromkeys([*skipped, *e.problems]))  # what led to the stop too
+            # what was skipped before the stop (the data module may not be the CLI's yet)
+            skipped = [*e.skipped, *getattr(getattr(self, "datamodule", None), "problems", [])]
+            problems = list(dict.fromkeys([*skipped, *e.problems]))
             saved = save_problems(self._run_root, self.subcommand, problems, "stopped")
             raise DataError(e.problems, listed_in=saved) from None
 

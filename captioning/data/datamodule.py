@@ -232,7 +232,8 @@ class CaptionDataModule(L.LightningDataModule):
         train = self.records("train")
         if not train:
             raise DataError([Problem(self.source.describe("train"), "train split", "split",
-                                     "is empty: no vocabulary can be built from it")])
+                                     "is empty: no vocabulary can be built from it")],
+                            skipped=self.problems)
         counts = self._train_tokens(train).counts()
         # Vocabulary.build counts tokens itself: feed each word `count` times.
         return Vocabulary.build(([w] * n for w, n in counts.items()),
@@ -315,7 +316,7 @@ class CaptionDataModule(L.LightningDataModule):
                     if any(self.skipped.values()):
                         why += "; bad entries and image files were skipped, see the log"
                     raise DataError([Problem(self.source.describe(split), f"{split} split",
-                                             "split", why)])
+                                             "split", why)], skipped=self.problems)
                 self._datasets[split] = self._make_dataset(records, split)
 
     def image_transform(self, train: bool) -> Callable[[Any], Tensor]:

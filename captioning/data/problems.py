@@ -34,9 +34,11 @@ class Problem:
 class DataError(ValueError):
     """Bad input data. `problems` holds every problem found; the message lists the first ten."""
 
-    def __init__(self, problems: Iterable[Problem], *, listed_in: Path | None = None) -> None:
+    def __init__(self, problems: Iterable[Problem], *, listed_in: Path | None = None,
+                 skipped: Iterable[Problem] = ()) -> None:
         self.problems: tuple[Problem, ...] = tuple(problems)
         self.listed_in = listed_in  # the file that lists them all (`save_problems`)
+        self.skipped: tuple[Problem, ...] = tuple(skipped)  # what on_bad_data: skip left out
         n = len(self.problems)
         if n == 1:
             msg = str(self.problems[0])

@@ -40,7 +40,8 @@ def model_input(image: str | os.PathLike[str] | Image, image_size: int, *,
     """One image as a model of input size `image_size` reads it, (3, S, S): a file loaded with
     `load_image` (any mode to RGB, EXIF orientation applied; a JPEG decoded no smaller than
     needed), or a PIL image so converted and oriented (a JPEG opened and not yet decoded is
-    decoded as its file would be: `images.draft`, on that object), then the evaluation
+    decoded as its file would be, by `images.draft` on that object, which then holds the reduced
+    image: `load()` it first to keep it whole), then the evaluation
     transform (`transform`: built once by a caller with many images). Raises `ImageLoadError`
     for a bad file."""
     from PIL import Image as PILImage
