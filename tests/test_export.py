@@ -117,7 +117,10 @@ def test_export_writes_the_folder(tiny: Tiny) -> None:
     config = json.loads((tiny.folder / CONFIG_FILE).read_text())
     digests = config.pop("sha256")
     assert config == {"format": FORMAT, "format_version": 1, "model": NET.to_dict(),
-                      "decode": DECODE.to_dict()}  # weights: null, the backbone is in the file
+                      "decode": DECODE.to_dict(),  # weights: null, the backbone is in the file
+                      "trained_on": {"carving": None, "source": {  # the run's data, its rule
+                          "class_path": "captioning.data.sources.ShapesSource",
+                          "init_args": {"root": "data/shapes", "num_train": 24}}}}
     canonical = json.dumps(config["model"], sort_keys=True, separators=(",", ":"))
     assert digests == {**{name: hashlib.sha256((tiny.folder / name).read_bytes()).hexdigest()
                           for name in (WEIGHTS_FILE, VOCAB_FILE)},
@@ -180,6 +183,11 @@ def test_save_pretrained_round_trip_and_default_card(tiny: Tiny, tmp_path: Path)
     assert json.loads((copy / "config.json").read_text())["training"] == {
         "doubly_stochastic": 0.25}
     assert "training" not in json.loads((again / "config.json").read_text())  # none known
+    # so does the record of its run's data, and `export` of a folder keeps it too
+    trained_on = json.loads((tiny.folder / "config.json").read_text())["trained_on"]
+    assert json.loads((again / "config.json").read_text())["trained_on"] == trained_on
+    assert export("--checkpoint", again, "--out", tmp_path / "re") == 0
+    assert json.loads((tmp_path / "re" / "config.json").read_text())["trained_on"] == trained_on
 
 
 def test_inference_checkpoint_exports_too(tiny: Tiny, tmp_path: Path) -> None:
@@ -254,7 +262,8 @@ def test_export_refuses_a_non_empty_folder(tiny: Tiny, tmp_path: Path,
 def test_export_user_errors(tiny: Tiny, tmp_path: Path,
                             capsys: pytest.CaptureFixture[str]) -> None:
     cases = [(["--checkpoint", tmp_path / "none.ckpt", "--out", tmp_path / "a"], "does not exist"),
-             (["--checkpoint", tiny.checkpoint, "--out", tiny.checkpoint], "is not a folder"),
+             (["--checkpoint", tiny.checkpoint, "--out", tiny.checkpoint],
+              "is a file, not a folder"),
              (["--checkpoint", tmp_path, "--out", tmp_path / "b"], "nor an exported model")]
     for args, message in cases:
         capsys.readouterr()

@@ -397,6 +397,22 @@ def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
                  "--trainer.default_root_dir", str(tmp_path / "stage2")]) == 1
     assert [ln for ln in capsys.readouterr().err.splitlines()
             if ln.startswith("error:")] == [refusal]
+    # Exported, it keeps its run's source and rule (config.json's trained_on): the same
+    # refusal for the folder, evaluated or started from; today's rule is scored as before.
+    for name, checkpoint in (("older", tmp_path / "older.ckpt"), ("today", ckpt)):
+        assert main(["export", "--checkpoint", str(checkpoint), "--out",
+                     str(tmp_path / name)]) == 0
+    trained_on = json.loads((tmp_path / "older" / "config.json").read_text())["trained_on"]
+    assert trained_on["carving"] is None and "JsonlCaptions" in trained_on["source"]["class_path"]
+    capsys.readouterr()
+    for how in (["test", *configs, "--ckpt_path", str(tmp_path / "older")],
+                ["fit", *configs, "--model.init_from", str(tmp_path / "older"),
+                 "--trainer.default_root_dir", str(tmp_path / "stage3")]):
+        assert main(how) == 1
+        assert [ln for ln in capsys.readouterr().err.splitlines()
+                if ln.startswith("error:")] == [refusal]
+    assert main(["test", *configs, "--ckpt_path", str(tmp_path / "today"),
+                 "--model.compute_metrics", "true"]) == 0
 
 
 def test_every_problem_of_the_data_is_listed_at_once(tmp_path: Path) -> None:

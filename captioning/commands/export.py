@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         model.captioner.save_pretrained(out, vocab=model.vocab, decode=model.decode, card=card,
-                                        training=loss_settings(model, data))
+                                        training=loss_settings(model, data),
+                                        trained_on=trained_on(model, data))
     except OSError as e:
         error(f"--out {out}: cannot write the model folder ({e.strerror or e})")
         return 2
@@ -107,6 +108,20 @@ def loss_settings(model: LoadedModel, data: Mapping[str, Any]) -> dict[str, Any]
         return read_config(model.path / CONFIG_FILE)[2]
     hp = upgrade_hparams(dict(data.get("hyper_parameters") or {}))
     return {k: _plain(hp[k]) for k in LOSS_SETTINGS if k in hp}
+
+
+def trained_on(model: LoadedModel, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The data source the run read and the rule that carved its val and test (None: before
+    the rule was recorded): from the checkpoint (`data`), or a model folder's; {} where the
+    checkpoint has no data module settings."""
+    from captioning.data.carving import CARVING_KEY
+
+    if model.path is not None and model.path.is_dir():
+        return dict(model.captioner.trained_on)
+    hp = data.get("datamodule_hyper_parameters")
+    if not isinstance(hp, Mapping) or hp.get("source") is None:
+        return {}
+    return {"source": _plain(hp["source"]), "carving": _plain(data.get(CARVING_KEY))}
 
 
 def build_card(model: LoadedModel, data: Mapping[str, Any], *, folder: str) -> str:

@@ -64,7 +64,7 @@ from captioning.commands.hints import (
     unknown_option_message,
     yaml_lookup,
 )
-from captioning.data.carving import CARVING_KEY, check_carving
+from captioning.data.carving import CARVING_KEY, carving_record, check_carving
 from captioning.data.datamodule import CaptionDataModule
 from captioning.data.problems import DataError, save_problems
 from captioning.lit_module import CaptioningModule
@@ -239,6 +239,7 @@ class CaptioningCLI(LightningCLI):
             self._model_folder = read_model_folder(folder)
         except PretrainedError as e:
             raise CheckpointError(str(e)) from None
+        self._init_carving = carving_record(self._model_folder.trained_on)
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
         if not given(raw, "data.vocab_path"):
             self.config[sub]["data"]["vocab_path"] = str(folder / VOCAB_FILE)
@@ -329,8 +330,8 @@ class CaptioningCLI(LightningCLI):
         data = {} if Path(path).is_dir() else read_checkpoint(path, mmap=True)
         hp = read_config(Path(path) / CONFIG_FILE)[2] if Path(path).is_dir() else \
             upgrade_hparams(data.get("hyper_parameters") or {})
-        self._init_carving = {k: data[k] for k in ("datamodule_hyper_parameters", CARVING_KEY)
-                              if k in data}  # checked once the data module is built
+        self._init_carving = carving_record(loaded.captioner.trained_on) if Path(path).is_dir() else {
+            k: data[k] for k in ("datamodule_hyper_parameters", CARVING_KEY) if k in data}
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
         carried = {k: v for k, v in hp.items() if k not in (*INIT_FROM_KEEPS, "net", "decode")
                    and k in cfg["model"] and not given(raw, f"model.{k}")}
@@ -346,14 +347,16 @@ class CaptioningCLI(LightningCLI):
                  len(loaded.vocab))
 
     def after_instantiate_classes(self) -> None:
-        """`model.init_from`: the checkpoint's weights into the built model (see above)."""
+        """`model.init_from`: the checkpoint's weights into the built model (see above). The
+        carving of the run behind `init_from`'s weights or an exported folder's is checked
+        against this data, once it is read (a checkpoint's own: as it loads)."""
+        if getattr(self, "_init_carving", None):
+            self.datamodule.records("train")
+            check_carving(self._init_carving, self.datamodule)
         loaded = getattr(self, "_init_from", None)
         if loaded is None:
             return
         self._init_from = None
-        if getattr(self, "_init_carving", None):  # its carving, once the data is read
-            self.datamodule.records("train")
-            check_carving(self._init_carving, self.datamodule)
         if self.datamodule.vocab != loaded.vocab:
             raise CheckpointError(
                 f"model.init_from {loaded.path}: its vocabulary ({len(loaded.vocab)} words) "

@@ -72,3 +72,12 @@ def check_carving(checkpoint: Mapping[str, Any], datamodule: Any) -> None:
         checkpoint.get("datamodule_hyper_parameters"), checkpoint.get(CARVING_KEY), source, carved)
     if problem is not None:
         raise DataError([problem])
+
+
+def carving_record(trained_on: Mapping[str, Any]) -> dict[str, Any]:
+    """An exported folder's `trained_on` ({"source": ..., "carving": ...}) as the checkpoint
+    keys `check_carving` reads; {} where the folder records no source."""
+    if not isinstance(trained_on, Mapping) or not trained_on.get("source"):
+        return {}
+    return {"datamodule_hyper_parameters": {"source": trained_on["source"]},
+            CARVING_KEY: trained_on.get("carving")}

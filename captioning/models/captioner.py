@@ -288,6 +288,9 @@ class Captioner(nn.Module):
         #: The loss settings of the run that trained it, where known (`from_pretrained`):
         #: `save_pretrained` keeps them.
         self.loss_settings: dict[str, Any] = {}
+        #: The data source its run read and that source's carving rule, where known
+        #: (`from_pretrained`): `save_pretrained` keeps them.
+        self.trained_on: dict[str, Any] = {}
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -361,11 +364,12 @@ class Captioner(nn.Module):
     # -- shareable model folders (captioning.models.pretrained) --------------------------------
     def save_pretrained(self, path: str | os.PathLike[str], *, vocab: Vocabulary | None = None,
                         decode: DecodeConfig | None = None, card: str | None = None,
-                        training: Mapping[str, Any] | None = None) -> Path:
+                        training: Mapping[str, Any] | None = None,
+                        trained_on: Mapping[str, Any] | None = None) -> Path:
         """Write a model folder: model.safetensors, config.json, vocab.json, README.md (`card`,
         or a card made from the config). `vocab` and `decode` default to the model's own
-        (`from_pretrained` sets them); `training`: the run's loss settings (default: the
-        ones `from_pretrained` read, if any). The config
+        (`from_pretrained` sets them); `training`: the run's loss settings, `trained_on`: its
+        data source and carving rule (default: the ones `from_pretrained` read, if any). The config
         is saved with `weights: null`: the backbone's weights are in the folder, rebuilding it
         downloads nothing. Returns the folder."""
         vocab = vocab if vocab is not None else self.vocab
@@ -381,7 +385,9 @@ class Captioner(nn.Module):
         return write_model_folder(path, state=self.state_dict(), model=config,
                                   decode=decode.to_dict(), vocab=vocab, card=card,
                                   training=training if training is not None else
-                                  self.loss_settings)
+                                  self.loss_settings,
+                                  trained_on=trained_on if trained_on is not None else
+                                  self.trained_on)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *,
@@ -401,4 +407,5 @@ class Captioner(nn.Module):
         folder.load_into(captioner)
         captioner.vocab, captioner.decode = folder.vocab, decode
         captioner.loss_settings = dict(folder.training)
+        captioner.trained_on = dict(folder.trained_on)
         return captioner.to(device).eval()

@@ -6,8 +6,11 @@ A folder holds
 * `model.safetensors`: the captioner's state dict (the names `Captioner.state_dict()` gives),
 * `config.json`: `{"format": "captioning-pretrained", "format_version": 1,
   "model": <CaptionerConfig dict>, "decode": <DecodeConfig dict>, "training": <dict>,
+  "trained_on": <dict>,
   "sha256": {"model.safetensors": <hex>, "vocab.json": <hex>, "config.json#model": <hex>}}`
   (`training`, optional: the run's loss settings, `captioning.objectives.LOSS_SETTINGS`;
+  `trained_on`, optional: the data source its run read and the rule that carved val and test
+  out of it, `{"source": <config>, "carving": <rule or null>}`, checked before its scores;
   `sha256`, optional in older folders: the files' digests and that of the `model` settings,
   checked on reading, so that a damaged or edited file is an error rather than wrong captions;
   `decode` may be edited),
@@ -43,6 +46,8 @@ WEIGHTS_FILE, CONFIG_FILE, VOCAB_FILE, CARD_FILE = \
     "model.safetensors", "config.json", "vocab.json", "README.md"
 #: The key of the `model` settings' digest among config.json's "sha256" (`settings_digest`).
 MODEL_DIGEST = f"{CONFIG_FILE}#model"
+#: config.json's record of the data its run read: {"source": ..., "carving": ...}.
+TRAINED_ON = "trained_on"
 #: The files `read_model_folder` needs, in the order they are checked.
 REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE)
 #: The decoder's word embedding in a captioner's state dict: one row per vocabulary word.
@@ -85,6 +90,7 @@ class ModelFolder:
     vocab: Vocabulary
     state: dict[str, Tensor]
     training: dict[str, Any] = field(default_factory=dict)  # the run's loss settings, if known
+    trained_on: dict[str, Any] = field(default_factory=dict)  # its run's data source, carving
 
     def config(self, key: Literal["model", "decode"], parse: Callable[[dict[str, Any]], _T]) -> _T:
         """`parse(self.model)` or `parse(self.decode)`; a refusal names config.json."""
@@ -149,6 +155,10 @@ def read_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
                 f"{', '.join(REQUIRED_FILES)} (an interrupted export leaves no {CONFIG_FILE})")
     data = _config_data(path / CONFIG_FILE)
     model, decode, training = _config_parts(path / CONFIG_FILE, data)
+    trained_on = data.get(TRAINED_ON, {})
+    if not isinstance(trained_on, dict):
+        raise PretrainedError(f"{path / CONFIG_FILE}: {TRAINED_ON!r} must be an object, got "
+                              f"{type(trained_on).__name__}")
     try:
         vocab = Vocabulary.load(path / VOCAB_FILE)  # its errors name the file
     except UnicodeDecodeError:
@@ -159,7 +169,7 @@ def read_model_folder(path: str | os.PathLike[str]) -> ModelFolder:
         raise PretrainedError(_one_line(e)) from None
     weights = _read_weights(path / WEIGHTS_FILE)
     _check_digests(path, data.get("sha256"), model)  # after each file's checks: more telling
-    return ModelFolder(path, model, decode, vocab, weights, training)
+    return ModelFolder(path, model, decode, vocab, weights, training, trained_on)
 
 
 def _read_json(file: Path) -> Any:
@@ -261,9 +271,11 @@ def _read_weights(file: Path) -> dict[str, Tensor]:
 # -- writing ------------------------------------------------------------------------------------
 def write_model_folder(path: str | os.PathLike[str], *, state: Mapping[str, Tensor],
                        model: Mapping[str, Any], decode: Mapping[str, Any], vocab: Vocabulary,
-                       card: str, training: Mapping[str, Any] | None = None) -> Path:
+                       card: str, training: Mapping[str, Any] | None = None,
+                       trained_on: Mapping[str, Any] | None = None) -> Path:
     """Write (or overwrite) the folder's four files; other files in it are left alone.
-    `training`: the run's loss settings, kept in config.json when given.
+    `training` (the run's loss settings) and `trained_on` (its data source and carving rule)
+    are kept in config.json when given.
 
     config.json goes first (removed) and last (written), so that an interrupted write never
     leaves a folder `is_pretrained_dir` takes for complete.
@@ -285,6 +297,7 @@ def write_model_folder(path: str | os.PathLike[str], *, state: Mapping[str, Tens
     config = {"format": FORMAT, "format_version": FORMAT_VERSION,
               "model": dict(model), "decode": dict(decode),
               **({"training": dict(training)} if training else {}),
+              **({TRAINED_ON: dict(trained_on)} if trained_on else {}),
               "sha256": {WEIGHTS_FILE: hashlib.sha256(weights).hexdigest(),
                          VOCAB_FILE: sha256_of(path / VOCAB_FILE),
                          MODEL_DIGEST: settings_digest(model)}}
