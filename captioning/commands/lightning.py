@@ -239,7 +239,8 @@ class CaptioningCLI(LightningCLI):
             self._model_folder = read_model_folder(folder)
         except PretrainedError as e:
             raise CheckpointError(str(e)) from None
-        self._init_carving = carving_record(self._model_folder.trained_on)
+        if sub in ("validate", "test"):  # scores on carved splits: its run's rule, checked
+            self._init_carving = carving_record(self._model_folder.trained_on)
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
         if not given(raw, "data.vocab_path"):
             self.config[sub]["data"]["vocab_path"] = str(folder / VOCAB_FILE)
@@ -330,8 +331,8 @@ class CaptioningCLI(LightningCLI):
         data = {} if Path(path).is_dir() else read_checkpoint(path, mmap=True)
         hp = read_config(Path(path) / CONFIG_FILE)[2] if Path(path).is_dir() else \
             upgrade_hparams(data.get("hyper_parameters") or {})
-        self._init_carving = carving_record(loaded.captioner.trained_on) if Path(path).is_dir() else {
-            k: data[k] for k in ("datamodule_hyper_parameters", CARVING_KEY) if k in data}
+        self._init_carving = carving_record(loaded.captioner.trained_on) if Path(path).is_dir() \
+            else {k: data[k] for k in ("datamodule_hyper_parameters", CARVING_KEY) if k in data}
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
         carried = {k: v for k, v in hp.items() if k not in (*INIT_FROM_KEEPS, "net", "decode")
                    and k in cfg["model"] and not given(raw, f"model.{k}")}
