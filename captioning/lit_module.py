@@ -4,6 +4,7 @@ optimisers. Losses: `captioning.objectives`; decoding: `Captioner.generate`; met
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +29,8 @@ from captioning.optim import StepGuard, batch_message, build_adam, poisoned_loss
 from captioning.scst import ScstConfig
 from captioning.train_values import TrainValues
 from captioning.vocab import Vocabulary
+
+log = logging.getLogger(__name__)
 
 
 class CaptioningModule(L.LightningModule):
@@ -103,6 +106,9 @@ class CaptioningModule(L.LightningModule):
         self.objective.attach(dm)  # SCST's reward reads the training references
         if getattr(dm, "feature_cache", False) and not self.net_config.finetune_encoder:
             self._attach_feature_cache(dm)
+        elif getattr(dm, "features_on_device", False):
+            log.warning("data.features_on_device has no effect without a feature cache "
+                        "(data.feature_cache false, or model.net.finetune_encoder true)")
         if self.captioner.decoder.fast_path == "off":  # once: a compiled pass keeps its graphs
             device = self.trainer.strategy.root_device if self._trainer else self.device
             mode = resolve_fast_path(self.hparams.fast_path, device, self.net_config.attention)

@@ -15,7 +15,8 @@ of them):
   `Trainer`, with the encoder's features cached (the CNN never runs) or not (the frozen CNN
   runs on every batch), soft and hard attention; cached soft also without length bucketing,
   with batches that hold each image's captions together (`group_by_image`: the keys projected
-  once per image) and with the decoder's fast path (`fast_path: compile`, `graphs` on CUDA).
+  once per image), with the grids held whole on the device and gathered there
+  (`ondevice`: `data.features_on_device`) and with the decoder's fast path (`fast_path: compile`, `graphs` on CUDA).
   On the CPU the rows train with the default `fast_path: auto` (the native score kernel);
   `aten` adds the cached soft row with `fast_path: off` (the score by ATen operations);
 * beam-search captions/s on cached features (<end> disabled, so every caption runs
@@ -130,7 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", default="uncached,cached,channels_last,nobucket,grouped,compile,"
                                      "beam,coco",
                    help="comma-separated subset of: uncached,cached,channels_last,nobucket,"
-                        "grouped (batches by image),aten (fast_path off),compile,beam,coco")
+                        "grouped (batches by image),ondevice (data.features_on_device),"
+                        "aten (fast_path off),compile,beam,coco")
     p.add_argument("--attentions", default="soft,hard",
                    help="attention kinds of the uncached and cached rows")
     p.add_argument("--threads", type=int, default=None,
@@ -196,6 +198,9 @@ def train_configs(args: argparse.Namespace, weights: str,
         if "uncached" in rows:  # and the frozen CNN runs once per image
             configs.append(("train, uncached, soft, by image",
                             {"cached": False, "group_by_image": True}))
+    if "ondevice" in rows:  # the grids held whole on the device, batches gathered there
+        configs.append(("train, cached, soft, grids on the device",
+                        {"features_on_device": True}))
     if "aten" in rows:  # the score by ATen operations, without the native CPU kernel
         configs.append(("train, cached, soft, fast_path off", {"fast_path": "off"}))
     if "compile" in rows:  # the fixed-shape pass: compiled, and replayed as CUDA graphs

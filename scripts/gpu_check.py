@@ -13,11 +13,14 @@ Stages (rows of the table):
   wait, peak GPU memory and GPU utilisation (mean over the timed steps); eager
   (`fast_path: off`), then the decoder's fast path (`graphs`: the fixed-shape pass as CUDA
   graphs) at bf16 batch 64 and 128 and fp32 batch 64, with its speed-up over eager. The
-  bf16 batch-64 pair runs `--rounds` times, eager and fast path alternating, pooled;
+  bf16 batch-64 pair runs `--rounds` times, eager and fast path alternating, pooled, with a
+  third row alongside: the fast path with the grids held on the GPU
+  (`data.features_on_device`), its batches gathered there;
 * `coco`: cached training (bf16-mixed, batch 64) from a COCO-size cache: 113,287 synthetic
   196x512 float16 grids (22.7 GB), or as many as 80% of the free disk holds (the row says how
   many). They are written through the feature cache's own build path, random grids standing in
   for the CNN, then dropped from the page cache (`posix_fadvise`), so the run reads the disk;
+  then the same with the grids copied to the GPU first (`data.features_on_device`);
 * `uncached`: training that decodes JPEGs (640x480, COCO's usual size) in 8 DataLoader workers
   and runs VGG-19 on every batch, with the share of step time spent waiting for data;
 * `beam`: beam search captions/s at beam 3 and 5, 100 and 500 images per batch (bf16-mixed;
@@ -153,10 +156,12 @@ def stage_train(check: Check) -> None:
         return check.train_spec(precision, batch, fast_path=mode,
                                 warmup=max(check.base["warmup"], 4))
 
-    pair: dict[str, list[dict[str, Any]]] = {"off": [], mode: []}
+    ondevice = f"{mode}, grids on the device"
+    pair: dict[str, list[dict[str, Any]]] = {"off": [], mode: [], ondevice: []}
     for _ in range(check.rounds):  # a failed round leaves the others' steps to pool
         for path, spec in (("off", check.train_spec(*head, fast_path="off")),
-                           (mode, fast_spec(*head))):
+                           (mode, fast_spec(*head)),
+                           (ondevice, {**fast_spec(*head), "features_on_device": True})):
             res = attempt(check, "train", f"cached, {head[0]}, batch {head[1]}, fast_path "
                           f"{path}", lambda spec=spec: check.run(spec))
             pair[path] += [res] if res else []
@@ -181,6 +186,13 @@ def stage_train(check: Check) -> None:
         eager = check.single.get((precision, batch))
         if eager:
             check.rows[-1]["notes"] = f"{rate / eager:.2f}x eager; " + check.rows[-1]["notes"]
+        if (precision, batch) == head and pair[ondevice]:  # its batches gathered there
+            loader = rate
+            rate = train_row(check, "train", f"cached, {precision}, batch {batch}, fast_path "
+                             f"{ondevice}", pair[ondevice])
+            check.rows[-1]["notes"] = "; ".join(
+                [f"{rate / loader:.2f}x the loader's grids"]
+                + ([f"{rate / eager:.2f}x eager"] if eager else []) + [check.rows[-1]["notes"]])
 
 
 def attempt(check: Check, stage: str, config: str, fn: Callable[[], Any]) -> Any:
@@ -215,9 +227,17 @@ def stage_coco(check: Check, prepared: tuple[dict[str, Any], str] | None = None)
     res = check.run(spec)
     if len(list(cache_dir.glob("*.npy"))) > before + 1:  # train found, only val built
         notes += "; WARNING: the run did not find the synthetic train cache"
-    train_row(check, "train COCO-size", f"cached, bf16-mixed, batch {spec['batch_size']}, "
-              f"fast_path {check.fast_path}", res,
-              notes=notes)
+    config = f"cached, bf16-mixed, batch {spec['batch_size']}, fast_path {check.fast_path}"
+    loader = train_row(check, "train COCO-size", config, res, notes=notes)
+    for array in cache_dir.glob("*.npy"):  # the next row starts from the disk too
+        _drop_from_page_cache(array)
+    res = attempt(check, "train COCO-size", f"{config}, grids on the device",
+                  lambda: check.run({**spec, "features_on_device": True}))
+    if res:  # else its FAILED row (too little GPU memory, say) is in the table
+        rate = train_row(check, "train COCO-size", f"{config}, grids on the device", res,
+                         notes="the split's grids copied to the device at the start")
+        check.rows[-1]["notes"] = f"{rate / loader:.2f}x the loader's; " + \
+            check.rows[-1]["notes"]
 
 
 def stage_beam(check: Check) -> None:

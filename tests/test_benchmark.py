@@ -16,13 +16,14 @@ from tiny_runs import REPO
 
 def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached,beam",
+        [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached,beam,ondevice",
          "--steps", "2", "--rounds", "1", "--warmup", "1", "--num-train", "16",
          "--batch-size", "4", "--threads", "1", "--workdir", str(tmp_path / "work"),
          "--roofline", "--json", str(tmp_path / "bench.json")],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    for row in ("train, cached, soft", "train, cached, hard", "beam search, cached, soft"):
+    for row in ("train, cached, soft", "train, cached, hard", "beam search, cached, soft",
+                "train, cached, soft, grids on the device"):
         assert f"| {row}" in out.stdout
     assert "padding share of one epoch's (B, T) step-rows, shapes" in out.stdout
     data = json.loads((tmp_path / "bench.json").read_text())

@@ -324,3 +324,90 @@ def test_a_cache_is_named_by_its_images_encoder_and_size(tmp_path: Path) -> None
     os.utime(a, ns=(0, 0))  # an image changed on disk (its mtime)
     others.append(cache_identity(encoder_config=cfg, image_size=64, paths=[a, b])[0])
     assert len({key, *others}) == 5
+
+
+# -- grids held on the device (`features_on_device`) ----------------------------------------
+
+
+def _cached_dm(shapes_dm_kwargs: dict, cache_dir: Path, **over: Any) -> CaptionDataModule:
+    dm = CaptionDataModule(**{**shapes_dm_kwargs, "batch_size": 8, "feature_cache": True,
+                              "cache_dir": str(cache_dir), **over})
+    dm.setup("fit")
+    L.seed_everything(0)  # the same encoder, so the same cache
+    module = _module(dm, finetune=False)
+    attach_feature_cache(dm, module.captioner.encoder, module.captioner.feature_cache_key(),
+                         device="cpu")
+    return dm
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_grids_on_the_device_give_the_loaders_batches(shapes_dm_kwargs: dict, tmp_path: Path,
+                                                      workers: int) -> None:
+    """Batches of rows, gathered after the transfer, equal the loader's batches of grids."""
+    loader = _cached_dm(shapes_dm_kwargs, tmp_path / "f", num_workers=workers)
+    rows = _cached_dm(shapes_dm_kwargs, tmp_path / "f", num_workers=workers,
+                      features_on_device=True)
+    for get in ("train_dataloader", "val_dataloader"):
+        for a, b in zip(getattr(loader, get)(), getattr(rows, get)(), strict=True):
+            assert b.grid_split in ("train", "val") and b.images.shape == (len(b),)
+            b = rows.on_after_batch_transfer(b, 0)
+            assert b.grid_split is None and b.images.dtype == torch.float16
+            assert torch.equal(a.images, b.images) and torch.equal(a.captions, b.captions)
+            assert a.image_ids == b.image_ids and a.references == b.references
+    assert loader.on_after_batch_transfer(a, 0) is a  # a batch of grids passes as it is
+
+
+def test_training_from_grids_on_the_device_equals_the_loaders(shapes_dm_kwargs: dict,
+                                                              tmp_path: Path,
+                                                              tiny_fit: Any) -> None:
+    states = []
+    for on_device in (False, True):
+        L.seed_everything(0)
+        dm = CaptionDataModule(**{**shapes_dm_kwargs, "batch_size": 8, "feature_cache": True,
+                                  "cache_dir": str(tmp_path / "f"),
+                                  "features_on_device": on_device})
+        module = _module(dm, finetune=False)
+        tiny_fit(dm, module, tmp_path / str(on_device), train_batches=3)
+        assert set(dm._grids) == ({"train", "val"} if on_device else set())
+        states.append({k: v.clone() for k, v in module.state_dict().items()})
+    assert states[0].keys() == states[1].keys()
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_a_lazy_cache_is_checked_whole_before_it_goes_on_the_device(copied_images: list[Path],
+                                                                    tmp_path: Path) -> None:
+    cache = _build(tmp_path / "f", tiny_encoder(), copied_images)
+    on_cpu = FeatureCache(cache.array_path, _index(cache), verify="lazy").to_device("cpu")
+    assert torch.equal(on_cpu, torch.from_numpy(np.asarray(cache.array)))
+    with open(cache.array_path, "r+b") as f:  # damage the last row
+        f.seek(-2, os.SEEK_END)
+        f.write(b"\x00\x7c")
+    lazy = FeatureCache(cache.array_path, _index(cache), verify="lazy")
+    with pytest.raises(Exception, match=r"rows \d+-\d+ differ from their hash") as e:
+        lazy.to_device("cpu")
+    assert type(e.value).__name__ == "CacheError"
+    assert not cache.array_path.with_suffix(".json").exists()  # the next run rebuilds it
+
+
+def _index(cache: FeatureCache) -> dict[str, Any]:
+    import json
+
+    return json.loads(cache.array_path.with_suffix(".json").read_text())
+
+
+def test_grids_that_do_not_fit_the_gpu_stop_with_one_line() -> None:
+    from captioning.data.features import CacheError, check_room
+
+    gpu, gb = torch.device("cuda", 0), 10**9
+    check_room(60 * gb, gpu, what="the train split's grids", free_total=(70 * gb, 80 * gb))
+    with pytest.raises(CacheError) as e:  # 8 GB (a tenth of 80) stays free for training
+        check_room(63 * gb, gpu, what="the train split's 113,287 grids",
+                   free_total=(70 * gb, 80 * gb))
+    assert str(e.value) == (
+        "data.features_on_device: the train split's 113,287 grids need 63.0 GB on cuda:0, "
+        "which has 70.0 GB free of 80.0 GB and keeps 8.0 GB for training; set "
+        "data.features_on_device false to read them through the loader")
+    with pytest.raises(CacheError, match=r"keeps 2\.1 GB"):  # at least 2 GiB on a small GPU
+        check_room(7 * gb, gpu, what="grids", free_total=(8 * gb, 8 * gb))
+    check_room(10**15, torch.device("cpu"), what="grids")  # the CPU serves the map itself

@@ -1,6 +1,7 @@
 """GPU-only checks (`pytest -m gpu`, run by `make gpu-check`): bf16 training steps are finite,
 beam search on CUDA gives the CPU's captions for the same weights, attention overlays render
-on the device, and the feature cache builds on the device. Skipped without CUDA.
+on the device, the feature cache builds on the device and its grids gather there
+(`features_on_device`). Skipped without CUDA.
 
 Each test calls a `check_*` helper with the device, so that the same code can be read (and
 tried) on the CPU.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,8 @@ from bench.report import summarize_train
 from bench.workers import never_end, worker_train
 from PIL import Image
 
-from captioning.data.features import FeatureCache
+from captioning.data.datamodule import CaptionDataModule
+from captioning.data.features import FeatureCache, attach_feature_cache
 from captioning.data.transforms import build_image_transform
 from captioning.lit_module import CaptioningModule
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
@@ -140,6 +143,26 @@ def check_cache_builds_on(device: str, images: list[Path], tmp_path: Path) -> No
         ref = encoder(torch.stack([transform(Image.open(p).convert("RGB")) for p in images]))
     got = torch.stack([cache[p] for p in images]).float()
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
+
+
+def check_grids_gather_on(device: str, shapes_dm_kwargs: dict, tmp_path: Path) -> None:
+    """Grids held on the device (`features_on_device`): the first training batch's rows,
+    moved there, gather the loader's batch of grids, on the device."""
+    batches = []
+    for on_device in (False, True):
+        dm = CaptionDataModule(**{**shapes_dm_kwargs, "batch_size": 8, "feature_cache": True,
+                                  "cache_dir": str(tmp_path / "f"),
+                                  "features_on_device": on_device})
+        dm.setup("fit")
+        torch.manual_seed(0)
+        encoder = CNNEncoder(backbone="resnet18", weights=None, grid_size=2).eval()
+        attach_feature_cache(dm, encoder, {"backbone": "resnet18", "device": device},
+                             device=device)
+        batch = next(iter(dm.train_dataloader()))
+        batches.append(dm.on_after_batch_transfer(
+            replace(batch, images=batch.images.to(device)), 0))
+    assert batches[1].images.device.type == device
+    assert torch.equal(batches[1].images, batches[0].images)
 
 
 def check_fast_path_matches_eager(device: str, mode: str) -> None:
@@ -274,6 +297,11 @@ def test_overlays_render_on_the_device(exact_fp32: None) -> None:
 def test_feature_cache_builds_on_the_device(copied_images: list[Path], tmp_path: Path,
                                             exact_fp32: None) -> None:
     check_cache_builds_on("cuda", copied_images, tmp_path)
+
+
+def test_grids_on_the_device_gather_the_loaders_batch(shapes_dm_kwargs: dict,
+                                                      tmp_path: Path) -> None:
+    check_grids_gather_on("cuda", shapes_dm_kwargs, tmp_path)
 
 
 def test_step_guard_with_fused_adam_needs_no_sync() -> None:

@@ -37,12 +37,15 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     by_stage: dict[str, list[dict]] = {}
     for r in rows:
         by_stage.setdefault(r["stage"], []).append(r)
-    # Eager at bf16-mixed and fp32, two batch sizes; then the fast path (compile on the CPU).
-    assert len(by_stage["train"]) == 5
-    fast = by_stage["train"][-1]
+    # Eager at bf16-mixed and fp32, two batch sizes; then the fast path (compile on the CPU),
+    # and the fast path with the grids held on the device.
+    assert len(by_stage["train"]) == 6
+    fast, ondevice = by_stage["train"][-2:]
     assert fast["config"].endswith("fast_path compile") and "x eager" in fast["notes"]
+    assert ondevice["config"].endswith("fast_path compile, grids on the device")
+    assert "x the loader's grids" in ondevice["notes"] and "x eager" in ondevice["notes"]
     (eager,) = [r for r in by_stage["train"] if r["config"] == "cached, 32-true, batch 4"]
-    for row in (eager, fast):  # the headline pair on the CPU: two rounds each, pooled
+    for row in (eager, fast, ondevice):  # the headline rows on the CPU: two rounds, pooled
         assert "2 rounds (means " in row["notes"], row
     seconds = json.loads((tmp_path / "check.json").read_text())["seconds"]
     assert {"train", "beam", "coco", "overlay"} <= seconds.keys()
@@ -51,6 +54,9 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     assert by_stage["gpu tests"][0]["result"].endswith(" 0 failed")
     assert "of 256 grids" in by_stage["train COCO-size"][0]["notes"]  # says how many
     assert "WARNING" not in by_stage["train COCO-size"][0]["notes"]  # the synthetic cache hit
+    coco_on_device = by_stage["train COCO-size"][1]  # the same cache, on the device
+    assert coco_on_device["config"].endswith(", grids on the device")
+    assert "x the loader's" in coco_on_device["notes"]
     assert by_stage["ddp"][0]["config"].startswith("2 processes")
     assert "scaling efficiency" in by_stage["ddp"][0]["notes"]
     for r in rows:

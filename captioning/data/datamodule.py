@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +27,12 @@ from torch.utils.data import DataLoader, Dataset
 from captioning.choices import check_choice
 from captioning.data.datasets import (
     CachedInputs,
+    CaptionBatch,
     CaptionCollate,
     CaptionDataset,
     CaptionImages,
     CaptionPairs,
+    GridRows,
     ImageInputs,
     TokenIndex,
 )
@@ -98,6 +101,11 @@ class CaptionDataModule(L.LightningDataModule):
     per image (`ImageBatchSampler`; its speed-up is in docs/benchmarks.md).
     `cache_verify`: how much of a feature cache is checked when opened (see `features`): every
     block's hash (`full`), each block on its first read (`lazy`), or sizes only (`size`).
+    `features_on_device`: with a feature cache, each split's grids are held whole on the
+    training device (a GPU's memory; on the CPU, the cache's map itself) and batches carry
+    their rows, gathered there after the transfer (`on_after_batch_transfer`): no grid goes
+    through the loader or the host-to-device copy. A split that does not fit on the GPU stops
+    the run with one line (`features.check_room`).
     """
 
     def __init__(
@@ -124,6 +132,7 @@ class CaptionDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
         cache_verify: CacheVerify = "full",
         eval_references: int | None = None,
+        features_on_device: bool = False,
     ) -> None:
         super().__init__()
         _check_arguments(source, on_bad_data, max_caption_length=max_caption_length,
@@ -157,6 +166,7 @@ class CaptionDataModule(L.LightningDataModule):
         check_choice("cache_verify", cache_verify, CacheVerify)
         self.cache_verify = cache_verify
         self.eval_references = eval_references
+        self.features_on_device = features_on_device
         self._init_state()
         if hflip:
             log.warning("hflip=True: flipped images make left/right in their captions false")
@@ -167,6 +177,7 @@ class CaptionDataModule(L.LightningDataModule):
         self._encoder: Any = None  # set by use_encoder_cache(); inputs become cached features
         self._encoder_config: dict[str, Any] = {}
         self._cache_device: Any = None
+        self._grids: dict[str, Tensor] = {}  # split -> (N, L, D) grids on the device
 
         self.skipped: dict[str, int] = {"captions": 0, "images": 0, "image_files": 0}
         self.carved: tuple[str, ...] = ()  # the splits carved out of the training images
@@ -325,7 +336,13 @@ class CaptionDataModule(L.LightningDataModule):
     def _make_inputs(self, records: Sequence[ImageRecord], split: str) -> Dataset:
         """Record index -> model input: an image (3, H, W), or its cached annotations (L, D)."""
         if self._encoder is not None:
-            return CachedInputs(self._build_cache(records, split), [r.path for r in records])
+            self._grids.pop(split, None)  # never two copies of a split's grids on the device
+            cache, paths = self._build_cache(records, split), [r.path for r in records]
+            if not self.features_on_device:
+                return CachedInputs(cache, paths)
+            self._grids[split] = cache.to_device(
+                self._cache_device or "cpu", what=f"the {split} split's {len(cache):,} grids")
+            return GridRows(split, cache.rows(paths))
         return ImageInputs([r.path for r in records], self.image_transform(split == "train"),
                            min_side=self.image_size)
 
@@ -417,6 +434,15 @@ class CaptionDataModule(L.LightningDataModule):
         return self._datasets[split]
 
     # ---- loaders -------------------------------------------------------------------------
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A batch of `GridRows` gets its (B, L, D) grids, gathered from the split's grids on
+        the device (`features_on_device`); any other batch passes as it is."""
+        if not isinstance(batch, CaptionBatch) or batch.grid_split is None:
+            return batch
+        grids = self._grids[batch.grid_split]  # (N, L, D) float16
+        rows = batch.images.to(grids.device, non_blocking=True)  # (B,)
+        return replace(batch, images=grids.index_select(0, rows), grid_split=None)
 
     def _loader_kwargs(self) -> dict[str, Any]:
         return {"collate_fn": CaptionCollate(self.vocab.pad_id), "num_workers": self.num_workers,

@@ -6,8 +6,8 @@ length, longest first (the soft attention decoder of Xu et al. 2015 shrinks its 
 per time step).
 
 The model input of a record comes from an inputs dataset: `ImageInputs` loads and transforms
-images (3, H, W), `CachedInputs` serves cached feature grids (L, D); `CaptionCollate` stacks
-either.
+images (3, H, W), `CachedInputs` serves cached feature grids (L, D), `GridRows` the rows of
+grids held on the device; `CaptionCollate` stacks either, or lists the rows.
 """
 
 from __future__ import annotations
@@ -40,13 +40,25 @@ class CaptionBatch:
     lengths: Tensor  # (B,) long, tokens incl. <start> and <end>
     image_ids: list = field(default_factory=list)  # len B
     references: list[list[str]] = field(default_factory=list)  # raw references per item
+    # Set by `GridRows`: `images` is (B,) long, the rows of this split's grids on the device,
+    # which `CaptionDataModule.on_after_batch_transfer` gathers into (B, L, D).
+    grid_split: str | None = None
 
     def __len__(self) -> int:
         return len(self.image_ids)
 
     def pin_memory(self) -> CaptionBatch:
         return CaptionBatch(self.images.pin_memory(), self.captions.pin_memory(),
-                            self.lengths.pin_memory(), self.image_ids, self.references)
+                            self.lengths.pin_memory(), self.image_ids, self.references,
+                            self.grid_split)
+
+
+@dataclass(frozen=True)
+class GridRow:
+    """An item's input under `GridRows`: a row of `split`'s grids held on the device."""
+
+    split: str
+    row: int
 
 
 # An item: (input tensor, caption ids (T,), image id, raw references)
@@ -65,9 +77,12 @@ class CaptionCollate:
         captions = torch.full((len(items), int(lengths.max())), self.pad_id, dtype=torch.long)
         for i, it in enumerate(items):
             captions[i, : len(it[1])] = it[1]
+        ids, refs = [it[2] for it in items], [list(it[3]) for it in items]
+        if isinstance(items[0][0], GridRow):  # rows of grids gathered on the device
+            rows = torch.tensor([it[0].row for it in items], dtype=torch.long)  # (B,)
+            return CaptionBatch(rows, captions, lengths, ids, refs, items[0][0].split)
         images = torch.stack([it[0] for it in items])  # (B, 3, H, W) or (B, L, D)
-        return CaptionBatch(images, captions, lengths, [it[2] for it in items],
-                            [list(it[3]) for it in items])
+        return CaptionBatch(images, captions, lengths, ids, refs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,6 +118,22 @@ class CachedInputs(Dataset):
 
     def __getitem__(self, index: int) -> Tensor:
         return self.cache.view(self.paths[index])
+
+
+class GridRows(Dataset):
+    """Record index -> `GridRow(split, row)`: the record's row of the split's grids, which the
+    data module holds whole on the training device (`features_on_device`); no grid goes
+    through the loader."""
+
+    def __init__(self, split: str, rows: np.ndarray) -> None:
+        self.split = split
+        self.rows = rows  # (N,) int64 the cache row of each record
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> GridRow:
+        return GridRow(self.split, int(self.rows[index]))
 
 
 # --------------------------------------------------------------------------------------------

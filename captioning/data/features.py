@@ -215,6 +215,40 @@ class FeatureCache:
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(self.array[row])
 
+    def rows(self, paths: Sequence[str | Path]) -> np.ndarray:
+        """(N,) int64 the row of each path (`GridRows`), each block hashed first where `verify`
+        is lazy."""
+        return np.fromiter((self._row(p) for p in paths), np.int64, len(paths))
+
+    def to_device(self, device: str | torch.device, *, what: str = "the grids") -> Tensor:
+        """The whole (N, L, D) float16 array as one tensor on `device`, for batches gathered
+        there (`CaptionDataModule(features_on_device=True)`).
+
+        On a GPU it is copied in chunks of about `BLOCK_BYTES` x 64, after `check_room`. On
+        the CPU it is the read-only map itself (no copy; never write into it). With
+        `verify="lazy"` every block not yet hashed in this process is hashed first, since
+        every row is read.
+        """
+        device = torch.device(device)
+        if self.verify == "lazy":
+            todo = [b for b in range(len(self.block_hashes)) if b not in self._checked]
+            found = block_digests(self.array, self.block_rows) if todo else []
+            for b in todo:  # the first bad block raises, as a lazy read would
+                if found[b] != self.block_hashes[b]:
+                    self._check_block(b)
+                self._checked.add(b)
+        if device.type == "cpu":
+            with warnings.catch_warnings():  # torch's, that the array is read-only
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(self.array)
+        check_room(self.array.nbytes, device, what=f"{what} ({self.array_path})")
+        out = torch.empty(self._shape, dtype=torch.float16, device=device)
+        step = max(1, (64 * BLOCK_BYTES) // max(1, self.array[:1].nbytes))
+        for start in range(0, len(out), step):  # pageable, synchronous: a chunk at a time
+            out[start:start + step].copy_(torch.from_numpy(
+                np.ascontiguousarray(self.array[start:start + step])))
+        return out
+
     def _row(self, path: str | Path) -> int:
         """The row of `path`, its block hashed first where `verify` is lazy."""
         key = str(path)
@@ -303,6 +337,22 @@ class FeatureCache:
                 write_json_atomic(index_path, meta, indent=None)
         log.info("feature cache built: %s (%d images)", array_path, len(paths))
         return cls(array_path, meta, verify=verify)
+
+
+def check_room(nbytes: int, device: torch.device, *, what: str,
+               free_total: tuple[int, int] | None = None) -> None:
+    """Raise `CacheError` unless `nbytes` fit on a CUDA `device` with room left for training:
+    the larger of 2 GiB and a tenth of the device's memory. `free_total`: the device's free
+    and total bytes (default `torch.cuda.mem_get_info`)."""
+    if device.type != "cuda":
+        return
+    free, total = free_total or torch.cuda.mem_get_info(device)
+    keep = max(2 << 30, total // 10)
+    if nbytes > free - keep:
+        raise CacheError(f"data.features_on_device: {what} need {nbytes / 1e9:.1f} GB on "
+                         f"{device}, which has {free / 1e9:.1f} GB free of {total / 1e9:.1f} "
+                         f"GB and keeps {keep / 1e9:.1f} GB for training; set "
+                         "data.features_on_device false to read them through the loader")
 
 
 def _remove_stale(cache_dir: Path) -> None:

@@ -58,6 +58,8 @@ def build_run(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
         "cache_verify": spec.get("cache_verify", "full")}
     if spec.get("group_by_image"):  # only when asked: older revisions (--against) lack it
         data["group_by_image"] = True
+    if spec.get("features_on_device"):  # the same
+        data["features_on_device"] = True
     if karpathy:
         data.update({"source.split_file": spec["split_file"],
                      "source.image_root": spec["image_root"]})
