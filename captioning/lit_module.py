@@ -106,7 +106,7 @@ class CaptioningModule(L.LightningModule):
         self.objective.attach(dm)  # SCST's reward reads the training references
         if getattr(dm, "feature_cache", False) and not self.net_config.finetune_encoder:
             self._attach_feature_cache(dm)
-        elif getattr(dm, "features_on_device", False):
+        elif getattr(dm, "features_on_device", False) and self.trainer.is_global_zero:
             log.warning("data.features_on_device has no effect without a feature cache "
                         "(data.feature_cache false, or model.net.finetune_encoder true)")
         if self.captioner.decoder.fast_path == "off":  # once: a compiled pass keeps its graphs
@@ -117,7 +117,8 @@ class CaptioningModule(L.LightningModule):
     def _attach_feature_cache(self, dm: Any) -> None:
         """Frozen encoder: the data module serves cached annotation grids; the CNN never runs."""
         key = self.captioner.feature_cache_key()
-        attach_feature_cache(dm, self.captioner.encoder, key, strategy=self.trainer.strategy)
+        attach_feature_cache(dm, self.captioner.encoder, key, strategy=self.trainer.strategy,
+                             stage=getattr(self.trainer.state.fn, "value", None))
         self._cache_source = (dm, key["weights"])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -16,9 +16,10 @@ of them):
   runs on every batch), soft and hard attention; cached soft also without length bucketing,
   with batches that hold each image's captions together (`group_by_image`: the keys projected
   once per image), with the grids held whole on the device and gathered there
-  (`ondevice`: `data.features_on_device`) and with the decoder's fast path (`fast_path: compile`, `graphs` on CUDA).
-  On the CPU the rows train with the default `fast_path: auto` (the native score kernel);
-  `aten` adds the cached soft row with `fast_path: off` (the score by ATen operations);
+  (`ondevice`: `data.features_on_device`) and with the decoder's fast path
+  (`fast_path: compile`, `graphs` on CUDA). On the CPU the rows train with the default
+  `fast_path: auto` (the native score kernel); `aten` adds the cached soft row with
+  `fast_path: off` (the score by ATen operations);
 * beam-search captions/s on cached features (<end> disabled, so every caption runs
   `--max-len` steps: an untrained decoder would otherwise stop at once);
 * the COCO-size index build: a synthetic Karpathy file of 123,287 images / 616,767 captions

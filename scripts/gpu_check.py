@@ -3,6 +3,8 @@
     python scripts/gpu_check.py                     # CUDA: the paper configuration
     python scripts/gpu_check.py --cpu               # every stage at tiny sizes on the CPU
     python scripts/gpu_check.py --stages train,beam --coco-images 20000
+    python scripts/gpu_check.py --stages tests,train,coco --headline-only --rounds 2 \
+        --coco-images 20000 --deadline-s 480 --json OUT.json   # the targets, in one short call
 
 Stages (rows of the table):
 
@@ -41,12 +43,16 @@ seconds. Captions are synthetic COCO-like ones (10k-word vocabulary) over the sh
 32-unit decoder) in this process, with the GPU tests and a 2-process DDP run (gloo) in
 subprocesses alongside: it checks the command, and its figures mean nothing. The exit status is
 1 when a GPU test or a stage failed.
+
+For a machine lent for minutes: `--headline-only` keeps the train stage to its headline rows,
+`--deadline-s` starts nothing after that many seconds (a running worker is killed then, and
+the rows not run are listed as skipped), and `--json` is rewritten after every row, so that a
+run stopped from outside keeps the rows it measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
@@ -65,7 +71,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmark workers
 import benchmark_overlays
 from bench.data import make_base, make_coco_karpathy
-from bench.process import finish_worker, run_worker, start_worker
+from bench.process import WORKER_TIMEOUT_S, finish_worker, start_worker
 from bench.report import describe_machine, summarize_train
 from bench.workers import WORKERS, build_run
 
@@ -86,11 +92,18 @@ class Check:
     threads: int | None
     coco_images: int
     fast_only: bool = False  # train stage: eager at bf16 and the base batch, then the fast path
+    headline_only: bool = False  # train stage: the headline rows only
     rounds: int = 1  # of the headline pair: eager and fast path, bf16 at the base batch
+    deadline: float | None = None  # time.monotonic() after which no row or stage starts
+    json_path: Path | None = None  # rewritten after every row
     rows: list[dict[str, Any]] = field(default_factory=list)
     single: dict[tuple[str, int], float] = field(default_factory=dict)  # one device's pairs/s
     seconds: dict[str, float] = field(default_factory=dict)  # each stage's wall time
     failed: bool = False
+
+    def left(self) -> float:
+        """Seconds before the deadline (an hour a worker without one)."""
+        return WORKER_TIMEOUT_S if self.deadline is None else self.deadline - time.monotonic()
 
     @property
     def fast_path(self) -> str:
@@ -105,7 +118,8 @@ class Check:
         """A benchmark worker: in this process on the CPU, else in a fresh one."""
         if self.cpu:
             return WORKERS[spec["kind"]](spec)
-        return run_worker(spec, self.threads)
+        return finish_worker(start_worker(spec, self.threads), spec["kind"],
+                             timeout=max(1.0, self.left()))  # killed at the deadline
 
     def train_spec(self, precision: str, batch: int, **kw: Any) -> dict[str, Any]:
         return {**self.base, "kind": "train", "attention": "soft", "cached": True,
@@ -115,6 +129,15 @@ class Check:
     def add(self, stage: str, config: str, result: str = "", **cols: Any) -> None:
         self.rows.append({"stage": stage, "config": config, "result": result, **cols})
         log.info("row: %s | %s | %s | %s", stage, config, result, cols)  # the table: at the end
+        self.save()
+
+    def save(self) -> None:
+        """The rows so far to `json_path`: a run killed at its time limit keeps them."""
+        if self.json_path is not None:
+            from captioning.atomic import write_json_atomic
+
+            write_json_atomic(self.json_path, {"cpu": self.cpu, "rows": self.rows,
+                                               "seconds": self.seconds}, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +190,7 @@ def stage_train(check: Check) -> None:
             pair[path] += [res] if res else []
     for precision in ("bf16-mixed", "32-true"):
         for batch in ((4, 8) if check.cpu else (64, 128)):
-            if check.fast_only and (precision, batch) != head:
+            if (check.fast_only or check.headline_only) and (precision, batch) != head:
                 continue
             config = f"cached, {precision}, batch {batch}"
             spec = check.train_spec(precision, batch, fast_path="off")
@@ -176,6 +199,8 @@ def stage_train(check: Check) -> None:
             if res:  # else its FAILED row is in the table
                 check.single[(precision, batch)] = train_row(check, "train", config, res)
     for precision, batch in fast_rows:
+        if check.headline_only and (precision, batch) != head:
+            continue
         config = f"cached, {precision}, batch {batch}, fast_path {mode}"
         spec = fast_spec(precision, batch)
         res = pair[mode] if (precision, batch) == head else \
@@ -192,12 +217,16 @@ def stage_train(check: Check) -> None:
                              f"{ondevice}", pair[ondevice])
             check.rows[-1]["notes"] = "; ".join(
                 [f"{rate / loader:.2f}x the loader's grids"]
-                + ([f"{rate / eager:.2f}x eager"] if eager else []) + [check.rows[-1]["notes"]])
+                + ([f"{rate / eager:.2f}x eager"] if eager else [])
+                + ["the peak holds the grids", check.rows[-1]["notes"]])
 
 
 def attempt(check: Check, stage: str, config: str, fn: Callable[[], Any]) -> Any:
     """`fn()`, or None after a FAILED row (and exit status 1): one broken stage or row (out of
-    memory, say) must not hide the others' figures."""
+    memory, say) must not hide the others' figures. Past the deadline, a skipped row."""
+    if check.left() <= 0:
+        check.add(stage, config, "skipped", notes="past --deadline-s")
+        return None
     try:
         return fn()
     except Exception as e:
@@ -235,7 +264,8 @@ def stage_coco(check: Check, prepared: tuple[dict[str, Any], str] | None = None)
                   lambda: check.run({**spec, "features_on_device": True}))
     if res:  # else its FAILED row (too little GPU memory, say) is in the table
         rate = train_row(check, "train COCO-size", f"{config}, grids on the device", res,
-                         notes="the split's grids copied to the device at the start")
+                         notes="the split's grids copied to the device at the start; the "
+                               "peak holds them")
         check.rows[-1]["notes"] = f"{rate / loader:.2f}x the loader's; " + \
             check.rows[-1]["notes"]
 
@@ -425,7 +455,12 @@ def start_gpu_tests() -> subprocess.Popen[str]:
 
 
 def finish_gpu_tests(check: Check, proc: subprocess.Popen[str]) -> None:
-    out, _ = proc.communicate()
+    try:
+        out, _ = proc.communicate(timeout=max(1.0, check.left()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+        log.error("pytest -m gpu ran past --deadline-s; killed:\n%s", out[-4000:])
     counts = {k: 0 for k in ("passed", "failed", "skipped", "error")}
     summary = next((line for line in reversed(out.splitlines())  # what came after it aside
                     if re.search(r"\b\d+ (passed|failed|skipped|errors?|deselected)\b.* in "
@@ -446,9 +481,9 @@ def finish_gpu_tests(check: Check, proc: subprocess.Popen[str]) -> None:
 # Orchestration
 
 
-def prepare(args: argparse.Namespace, work: Path) -> Check:
+def prepare(args: argparse.Namespace, work: Path, start: float) -> Check:
     """The check's shapes data and base spec: the paper configuration on a GPU, tiny sizes
-    with --cpu."""
+    with --cpu; `start`: the run's start (time.monotonic), for --deadline-s."""
     if args.cpu:
         base = make_base(work, encoder="resnet18", grid_size=4, tiny=True,
                                    batch_size=4, num_train=16, num_val=8, image_size=64,
@@ -458,7 +493,10 @@ def prepare(args: argparse.Namespace, work: Path) -> Check:
                                    num_train=640, num_val=64, image_size=224,
                                    steps=args.steps, warmup=args.warmup, threads=args.threads)
     return Check(cpu=args.cpu, work=work, base=base, threads=base["threads"],
-                 fast_only=args.fast_only, rounds=args.rounds or (1 if args.cpu else 2),
+                 fast_only=args.fast_only, headline_only=args.headline_only,
+                 rounds=args.rounds or (1 if args.cpu else 2),
+                 deadline=None if args.deadline_s is None else start + args.deadline_s,
+                 json_path=Path(args.json) if args.json else None,
                  coco_images=args.coco_images or (256 if args.cpu else COCO_TRAIN_IMAGES))
 
 
@@ -472,6 +510,7 @@ def run_stage(check: Check, name: str, fn: Callable[[], None]) -> bool:
     finally:
         check.seconds[name] = time.perf_counter() - t0
         log.info("stage %s: %.0f s", name, check.seconds[name])
+        check.save()
 
 
 def run_checks(args: argparse.Namespace, check: Check) -> None:
@@ -545,9 +584,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fast-only", action="store_true",
                    help="train stage: only eager bf16-mixed at the base batch, then the fast "
                         "path's rows")
+    p.add_argument("--headline-only", action="store_true",
+                   help="train stage: only the headline rows (bf16-mixed at the base batch: "
+                        "eager, fast path, fast path with the grids on the device)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="no row or stage starts after this many seconds (a running worker is "
+                        "killed then); the rows not run are listed as skipped")
     p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
-    p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    p.add_argument("--json", default=None,
+                   help="also write the rows as JSON here (after every row)")
     args = p.parse_args(argv)
     unknown = set(args.stages.split(",")) - set(STAGES)
     if unknown:
@@ -556,6 +602,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not args.cpu and not torch.cuda.is_available():
@@ -566,12 +613,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="captioning-gpu-check-") as tmp:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        check = prepare(args, work)
+        check = prepare(args, work, start)
         run_checks(args, check)
     print_table(check)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": check.cpu, "rows": check.rows,
-                                               "seconds": check.seconds}, indent=2))
+    check.save()
     return 1 if check.failed else 0
 
 

@@ -72,3 +72,29 @@ def test_the_gpu_tests_are_collected_from_their_own_modules_only() -> None:
     names = {Path(f).name for f in gpu_check.gpu_test_files()}
     assert {"test_gpu.py", "test_viz.py"} <= names  # a module mark, a test's mark
     assert not names & {"test_cider.py", "test_gpu_check.py"}
+
+
+def _check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    out = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--cpu", "--workdir", str(tmp_path / "work"),
+         "--json", str(tmp_path / "check.json"), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    return out, json.loads((tmp_path / "check.json").read_text())["rows"]
+
+
+def test_past_its_deadline_the_check_starts_nothing_and_lists_what_it_skipped(
+        tmp_path: Path) -> None:
+    out, rows = _check(tmp_path, "--stages", "train,beam", "--deadline-s", "0")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert [(r["stage"], r["result"], r["notes"]) for r in rows] == [
+        ("train", "skipped", "past --deadline-s"), ("beam", "skipped", "past --deadline-s")]
+    assert "| train " in out.stdout and "skipped" in out.stdout  # the table still prints
+
+
+def test_headline_only_trains_the_headline_rows(tmp_path: Path) -> None:
+    out, rows = _check(tmp_path, "--stages", "train", "--headline-only", "--rounds", "1")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert [r["config"] for r in rows] == [
+        "cached, 32-true, batch 4", "cached, 32-true, batch 4, fast_path compile",
+        "cached, 32-true, batch 4, fast_path compile, grids on the device"]
+    assert all(float(r["result"].split()[0]) > 0 for r in rows)

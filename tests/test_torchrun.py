@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from tiny_runs import REPO, cli_config
 
 from captioning.data.datamodule import CaptionDataModule
@@ -42,19 +43,28 @@ def _torchrun_fit(cfg: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["loader", "grids_on_device"])
 def test_torchrun_two_processes_train_one_epoch(shapes_dm_kwargs: dict[str, Any],
-                                                tmp_path: Path) -> None:
+                                                tmp_path: Path, on_device: bool) -> None:
+    """With `features_on_device` too: each rank holds the grids, after both agree they fit."""
     ckpt_dir, pairs_dir = tmp_path / "ckpt", tmp_path / "pairs"
     record = {"class_path": "launch_helpers.RecordRankPairs",
               "init_args": {"folder": str(pairs_dir)}}
     cfg = cli_config(tmp_path / "fit.yaml", shapes_dm_kwargs, tmp_path / "features", ckpt_dir,
                      callbacks=[record], limit_train_batches=1.0, max_epochs=1)
+    if on_device:
+        config = yaml.safe_load(cfg.read_text())
+        config["data"]["features_on_device"] = True
+        cfg.write_text(yaml.safe_dump(config))
     proc = _torchrun_fit(cfg, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     lines = {r: [json.loads(x) for x in (pairs_dir / f"rank{r}.jsonl").read_text().splitlines()]
              for r in (0, 1)}
     assert {line["world"] for r in lines for line in lines[r]} == {2}
+    assert {line["input_dims"] for r in lines for line in lines[r]} == {3}  # grids, gathered
+    held = proc.stderr.count("grids of the train split on cpu")
+    assert held == (2 if on_device else 0), proc.stderr[-3000:]  # by each rank
     assert len(lines[0]) == len(lines[1]) > 0  # both ranks trained, step for step
     seen = Counter((i, tuple(c)) for r in lines for line in lines[r] for i, c in line["pairs"])
     expected = _dataset_pairs(shapes_dm_kwargs, tmp_path / "features")

@@ -6,7 +6,8 @@ batches are in `captioning.data.datasets`, the length-bucketing samplers in
 
 Extension point for a feature cache: `_make_inputs(records, split)` returns a dataset mapping a
 record index to the model input; by default it loads and transforms images (3, H, W), a cache can
-return (L, D) feature tensors instead (`use_encoder_cache`).
+return (L, D) feature tensors instead (`use_encoder_cache`), or rows of the split's grids held
+on the device (`features_on_device`: `hold_grids`, gathered in `on_after_batch_transfer`).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class CaptionDataModule(L.LightningDataModule):
     training device (a GPU's memory; on the CPU, the cache's map itself) and batches carry
     their rows, gathered there after the transfer (`on_after_batch_transfer`): no grid goes
     through the loader or the host-to-device copy. A split that does not fit on the GPU stops
-    the run with one line (`features.check_room`).
+    the run with one line (`features.room_problem`).
     """
 
     def __init__(
@@ -178,6 +179,7 @@ class CaptionDataModule(L.LightningDataModule):
         self._encoder_config: dict[str, Any] = {}
         self._cache_device: Any = None
         self._grids: dict[str, Tensor] = {}  # split -> (N, L, D) grids on the device
+        self._grid_caches: dict[str, FeatureCache] = {}  # split -> the cache `GridRows` read
 
         self.skipped: dict[str, int] = {"captions": 0, "images": 0, "image_files": 0}
         self.carved: tuple[str, ...] = ()  # the splits carved out of the training images
@@ -334,14 +336,14 @@ class CaptionDataModule(L.LightningDataModule):
         return build_image_transform(self.image_size, train=train, hflip=self.hflip)
 
     def _make_inputs(self, records: Sequence[ImageRecord], split: str) -> Dataset:
-        """Record index -> model input: an image (3, H, W), or its cached annotations (L, D)."""
+        """Record index -> model input: an image (3, H, W), its cached annotations (L, D), or
+        with `features_on_device` its row of the split's grids (`GridRows`)."""
         if self._encoder is not None:
-            self._grids.pop(split, None)  # never two copies of a split's grids on the device
             cache, paths = self._build_cache(records, split), [r.path for r in records]
+            self._grids.pop(split, None)  # an older cache's grids (`hold_grids` copies anew)
             if not self.features_on_device:
                 return CachedInputs(cache, paths)
-            self._grids[split] = cache.to_device(
-                self._cache_device or "cpu", what=f"the {split} split's {len(cache):,} grids")
+            self._grid_caches[split] = cache
             return GridRows(split, cache.rows(paths))
         return ImageInputs([r.path for r in records], self.image_transform(split == "train"),
                            min_side=self.image_size)
@@ -433,16 +435,60 @@ class CaptionDataModule(L.LightningDataModule):
             self._setup_splits(_STAGE_SPLITS[stage])  # caches and benchmarks do not train
         return self._datasets[split]
 
-    # ---- loaders -------------------------------------------------------------------------
+    # ---- grids held on the device (`features_on_device`) -----------------------------------
+
+    def hold_grids(self, device: str | torch.device, *, stage: str | None = None,
+                   agree: Callable[[bool], bool] | None = None) -> None:
+        """Copy the grids of the stage's splits (None: every split) that `GridRows` serve onto
+        `device`, where they are not yet. Stops with one `CacheError` line when they do not fit
+        (`features.room_problem`). `agree`: every process's verdict, all or none (DDP:
+        `strategy.reduce_boolean_decision`), so that every rank stops with the same line."""
+        from captioning.data.features import CacheError, room_problem
+
+        device = torch.device(device)
+        wanted = _STAGE_SPLITS.get(stage, DATA_SPLITS)
+        todo = {split: cache for split, cache in self._grid_caches.items() if split in wanted
+                and (split not in self._grids or self._grids[split].device != device)}
+        for split in todo:
+            self._grids.pop(split, None)
+        what = " and ".join(f"the {split} split's {len(cache):,}" for split, cache in
+                            todo.items()) + " grids" if todo else "the grids"
+        problem = room_problem(sum(c.array.nbytes for c in todo.values()), device,
+                               what=what) if todo else None
+        fits = problem is None if agree is None else agree(problem is None)  # every rank asks
+        if not fits:
+            raise CacheError(problem or f"data.features_on_device: {what} do not fit on "
+                             "another process's GPU; set data.features_on_device false to "
+                             "read them through the loader")
+        for split, cache in todo.items():
+            t0 = time.perf_counter()
+            self._grids[split] = cache.to_device(device)
+            log.info("%s grids of the %s split on %s in %.1fs", f"{len(cache):,}", split,
+                     device, time.perf_counter() - t0)
+
+    def teardown(self, stage: str) -> None:
+        """The stage's grids leave the device (a later stage copies what it needs again)."""
+        for split in _STAGE_SPLITS.get(stage, DATA_SPLITS):
+            self._grids.pop(split, None)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """A batch of `GridRows` gets its (B, L, D) grids, gathered from the split's grids on
-        the device (`features_on_device`); any other batch passes as it is."""
+        the device (copied there first where they are not: one process's own check), as the
+        precision plugin would have given them; any other batch passes as it is."""
         if not isinstance(batch, CaptionBatch) or batch.grid_split is None:
             return batch
+        device = batch.captions.device
+        if batch.grid_split not in self._grids:
+            self.hold_grids(device, stage={"train": "fit", "val": "validate",
+                                           "test": "test"}[batch.grid_split])
         grids = self._grids[batch.grid_split]  # (N, L, D) float16
         rows = batch.images.to(grids.device, non_blocking=True)  # (B,)
-        return replace(batch, images=grids.index_select(0, rows), grid_split=None)
+        images = grids.index_select(0, rows).to(device, non_blocking=True)  # (B, L, D)
+        if self.trainer is not None:  # e.g. bf16-true: as the loader's grids are converted
+            images = self.trainer.precision_plugin.convert_input(images)
+        return replace(batch, images=images, grid_split=None)
+
+    # ---- loaders -------------------------------------------------------------------------
 
     def _loader_kwargs(self) -> dict[str, Any]:
         return {"collate_fn": CaptionCollate(self.vocab.pad_id), "num_workers": self.num_workers,

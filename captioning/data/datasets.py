@@ -61,8 +61,8 @@ class GridRow:
     row: int
 
 
-# An item: (input tensor, caption ids (T,), image id, raw references)
-Item = tuple[Tensor, Tensor, Any, list[str]]
+# An item: (input tensor or GridRow, caption ids (T,), image id, raw references)
+Item = tuple["Tensor | GridRow", Tensor, Any, list[str]]
 
 
 class CaptionCollate:

@@ -159,6 +159,22 @@ def read_index(index_path: Path) -> dict[str, Any] | None:
     return meta if meta.get("complete") else None
 
 
+def read_only_tensor(array: np.ndarray) -> Tensor:
+    """A tensor over a read-only array (a view of the cache's map): never write into it."""
+    with warnings.catch_warnings():  # torch's, that the array is read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+def copy_in_chunks(array: np.ndarray, out: Tensor, rows: int) -> None:
+    """`out[:] = array`, `rows` rows at a time (pageable and synchronous, so that no more than
+    a chunk of a memory-mapped file is read ahead)."""
+    if out.shape != array.shape:
+        raise ValueError(f"cannot copy {array.shape} rows into {tuple(out.shape)}")
+    for start in range(0, len(out), rows):
+        out[start:start + rows].copy_(read_only_tensor(array[start:start + rows]))
+
+
 class FeatureCache:
     """Read-only view of a built, checked cache: `cache[path] -> (L, D) float16 tensor`.
 
@@ -210,24 +226,21 @@ class FeatureCache:
     def view(self, path: str | Path) -> Tensor:
         """`self[path]` without its copy: a view of the read-only map, for a batch's stack
         (`CachedInputs`), then the one copy. Never write into it: a write faults."""
-        row = self._row(path)
-        with warnings.catch_warnings():  # torch's, once a process, that the array is read-only
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(self.array[row])
+        return read_only_tensor(self.array[self._row(path)])
 
     def rows(self, paths: Sequence[str | Path]) -> np.ndarray:
         """(N,) int64 the row of each path (`GridRows`), each block hashed first where `verify`
         is lazy."""
         return np.fromiter((self._row(p) for p in paths), np.int64, len(paths))
 
-    def to_device(self, device: str | torch.device, *, what: str = "the grids") -> Tensor:
+    def to_device(self, device: str | torch.device, *, chunk_rows: int | None = None
+                  ) -> Tensor:
         """The whole (N, L, D) float16 array as one tensor on `device`, for batches gathered
-        there (`CaptionDataModule(features_on_device=True)`).
+        there (`CaptionDataModule(features_on_device=True)`; `check_room` first).
 
-        On a GPU it is copied in chunks of about `BLOCK_BYTES` x 64, after `check_room`. On
-        the CPU it is the read-only map itself (no copy; never write into it). With
-        `verify="lazy"` every block not yet hashed in this process is hashed first, since
-        every row is read.
+        On the CPU it is the read-only map itself (no copy; never write into it); elsewhere a
+        copy, `chunk_rows` rows at a time (default: about 64 MiB). With `verify="lazy"` every
+        block not yet hashed in this process is hashed first, since every row is read.
         """
         device = torch.device(device)
         if self.verify == "lazy":
@@ -238,15 +251,10 @@ class FeatureCache:
                     self._check_block(b)
                 self._checked.add(b)
         if device.type == "cpu":
-            with warnings.catch_warnings():  # torch's, that the array is read-only
-                warnings.simplefilter("ignore", UserWarning)
-                return torch.from_numpy(self.array)
-        check_room(self.array.nbytes, device, what=f"{what} ({self.array_path})")
+            return read_only_tensor(self.array)
         out = torch.empty(self._shape, dtype=torch.float16, device=device)
-        step = max(1, (64 * BLOCK_BYTES) // max(1, self.array[:1].nbytes))
-        for start in range(0, len(out), step):  # pageable, synchronous: a chunk at a time
-            out[start:start + step].copy_(torch.from_numpy(
-                np.ascontiguousarray(self.array[start:start + step])))
+        copy_in_chunks(self.array, out, chunk_rows or max(1, (64 * BLOCK_BYTES) //
+                                                          max(1, self.array[:1].nbytes)))
         return out
 
     def _row(self, path: str | Path) -> int:
@@ -339,20 +347,24 @@ class FeatureCache:
         return cls(array_path, meta, verify=verify)
 
 
-def check_room(nbytes: int, device: torch.device, *, what: str,
-               free_total: tuple[int, int] | None = None) -> None:
-    """Raise `CacheError` unless `nbytes` fit on a CUDA `device` with room left for training:
-    the larger of 2 GiB and a tenth of the device's memory. `free_total`: the device's free
-    and total bytes (default `torch.cuda.mem_get_info`)."""
+def room_problem(nbytes: int, device: torch.device, *, what: str,
+                 free_total: tuple[int, int] | None = None) -> str | None:
+    """Why `nbytes` do not fit on a CUDA `device` with room left for training (the larger of
+    2 GiB and a tenth of its memory), or None. `free_total`: its free and total bytes (default
+    `torch.cuda.mem_get_info`, plus what the caching allocator holds unused)."""
     if device.type != "cuda":
-        return
-    free, total = free_total or torch.cuda.mem_get_info(device)
+        return None
+    if free_total is None:
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    else:
+        free, total = free_total
     keep = max(2 << 30, total // 10)
-    if nbytes > free - keep:
-        raise CacheError(f"data.features_on_device: {what} need {nbytes / 1e9:.1f} GB on "
-                         f"{device}, which has {free / 1e9:.1f} GB free of {total / 1e9:.1f} "
-                         f"GB and keeps {keep / 1e9:.1f} GB for training; set "
-                         "data.features_on_device false to read them through the loader")
+    if nbytes <= free - keep:
+        return None
+    return (f"data.features_on_device: {what} need {nbytes / 1e9:.1f} GB on {device}, which "
+            f"has {free / 1e9:.1f} GB free of {total / 1e9:.1f} GB and keeps {keep / 1e9:.1f} GB "
+            "for training; set data.features_on_device false to read them through the loader")
 
 
 def _remove_stale(cache_dir: Path) -> None:
@@ -452,13 +464,16 @@ def _space_errors(target: Path, info: dict[str, Any]) -> Iterator[None]:
 
 
 def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any], *,
-                         strategy: Any = None, device: str | torch.device | None = None) -> None:
+                         strategy: Any = None, device: str | torch.device | None = None,
+                         stage: str | None = None) -> None:
     """Serve `datamodule`'s inputs from the feature cache of a frozen `encoder`: the one attach
     path of `fit`, `cache-features` and the benchmark.
 
     `key` is what the grids depend on besides the images (`Captioner.feature_cache_key()`).
     With a Lightning `strategy` (several processes), rank zero builds the cache while the
-    others wait at a barrier, then open it. Building never shifts the RNG streams.
+    others wait at a barrier, then open it. Building never shifts the RNG streams. With the
+    data module's `features_on_device`, the grids of `stage`'s splits then go onto `device`
+    (every rank agreeing that they fit, under DDP).
     """
     from lightning.pytorch.utilities.seed import isolate_rng
 
@@ -471,6 +486,10 @@ def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any
         datamodule.use_encoder_cache(encoder, key, device=device)
         if first and strategy is not None:
             strategy.barrier("feature-cache")
+    if getattr(datamodule, "features_on_device", False) and device is not None:
+        several = strategy is not None and strategy.world_size > 1
+        datamodule.hold_grids(device, stage=stage, agree=strategy.reduce_boolean_decision
+                              if several else None)
 
 
 def _progress(total: int, enabled: bool, desc: str) -> Any:

@@ -168,7 +168,7 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
 
     L.seed_everything(0, verbose=False)
     device = torch.device(spec["device"])
-    module, dm = build_run(spec, cached=True)
+    module, dm = build_run({**spec, "features_on_device": False}, cached=True)  # grids, here
     attach_cache(module, dm, spec["device"])
     if spec.get("weights") and Path(spec["weights"]).exists():
         module.load_state_dict(torch.load(spec["weights"], map_location="cpu"))
