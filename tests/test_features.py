@@ -368,6 +368,9 @@ class _HeldSplits(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.held = set(trainer.datamodule._grids)
 
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.held = set(trainer.datamodule._grids)
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
         self.dims.add(batch.images.dim())
 
@@ -382,10 +385,14 @@ def test_training_from_grids_on_the_device_equals_the_loaders(shapes_dm_kwargs: 
                                   "cache_dir": str(tmp_path / "f"),
                                   "features_on_device": on_device})
         module, held = _module(dm, finetune=False), _HeldSplits()
-        tiny_fit(dm, module, tmp_path / str(on_device), train_batches=3, callbacks=[held])
+        trainer = tiny_fit(dm, module, tmp_path / str(on_device), train_batches=3,
+                           callbacks=[held])
         assert held.held == ({"train", "val"} if on_device else set()) and held.dims == {3}
         assert not dm._grids  # the fit's teardown let them go
         states.append({k: v.clone() for k, v in module.state_dict().items()})
+        (scores,) = trainer.test(module, datamodule=dm, verbose=False)
+        assert held.held == ({"test"} if on_device else set())  # the test stage's split only
+        states[-1]["test/loss"] = torch.tensor(scores["test/loss"])
     assert states[0].keys() == states[1].keys()
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
