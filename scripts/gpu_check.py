@@ -44,19 +44,23 @@ seconds. Captions are synthetic COCO-like ones (10k-word vocabulary) over the sh
 subprocesses alongside: it checks the command, and its figures mean nothing. The exit status is
 1 when a GPU test or a stage failed.
 
-For a machine lent for minutes: `--headline-only` keeps the train stage to its headline rows,
-`--deadline-s` starts nothing after that many seconds (a running worker is killed then, and
-the rows not run are listed as skipped), and `--json` is rewritten after every row, so that a
-run stopped from outside keeps the rows it measured.
+For a machine lent for minutes (docs/benchmarks.md has the whole device command, with the
+wheels of `scripts/gpu_wheels.sh`): `--headline-only` keeps the train stage to its headline
+rows, `--deadline-s` starts nothing after that many seconds (a running worker is killed then
+with its process group, and the rows not run are listed as skipped; the GPU tests get at most
+`TESTS_SHARE` of the time left), and `--json` is rewritten after every row and every pooled
+round, so that a run stopped from outside keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,7 +75,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmark workers
 import benchmark_overlays
 from bench.data import make_base, make_coco_karpathy
-from bench.process import WORKER_TIMEOUT_S, finish_worker, start_worker
+from bench.process import WORKER_TIMEOUT_S, finish_worker, own_process_group, start_worker
 from bench.report import describe_machine, summarize_train
 from bench.workers import WORKERS, build_run
 
@@ -80,6 +84,7 @@ log = logging.getLogger("gpu_check")
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("tests", "train", "coco", "uncached", "beam", "overlay", "ddp")
 COCO_TRAIN_IMAGES = 113_287  # Karpathy's COCO train split, restval included
+TESTS_SHARE = 0.4  # with --deadline-s: of the time left when the GPU tests are waited for
 
 
 @dataclass
@@ -96,7 +101,9 @@ class Check:
     rounds: int = 1  # of the headline pair: eager and fast path, bf16 at the base batch
     deadline: float | None = None  # time.monotonic() after which no row or stage starts
     json_path: Path | None = None  # rewritten after every row
+    header: dict[str, Any] = field(default_factory=dict)  # the machine and settings
     rows: list[dict[str, Any]] = field(default_factory=list)
+    rounds_done: list[dict[str, Any]] = field(default_factory=list)  # each pooled round, kept
     single: dict[tuple[str, int], float] = field(default_factory=dict)  # one device's pairs/s
     seconds: dict[str, float] = field(default_factory=dict)  # each stage's wall time
     failed: bool = False
@@ -115,11 +122,19 @@ class Check:
         return 2 if self.cpu else 8
 
     def run(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """A benchmark worker: in this process on the CPU, else in a fresh one."""
+        """A benchmark worker: in this process on the CPU, else in a fresh one, killed at the
+        deadline (`PastDeadline`)."""
+        if self.left() <= 0:
+            raise PastDeadline("skipped")
         if self.cpu:
             return WORKERS[spec["kind"]](spec)
-        return finish_worker(start_worker(spec, self.threads), spec["kind"],
-                             timeout=max(1.0, self.left()))  # killed at the deadline
+        try:
+            return finish_worker(start_worker(spec, self.threads), spec["kind"],
+                                 timeout=max(1.0, self.left()))
+        except RuntimeError:
+            if self.left() <= 0:
+                raise PastDeadline("killed at --deadline-s") from None
+            raise
 
     def train_spec(self, precision: str, batch: int, **kw: Any) -> dict[str, Any]:
         return {**self.base, "kind": "train", "attention": "soft", "cached": True,
@@ -131,13 +146,32 @@ class Check:
         log.info("row: %s | %s | %s | %s", stage, config, result, cols)  # the table: at the end
         self.save()
 
+    def note(self, text: str) -> None:
+        """Put `text` first in the last row's notes (and save)."""
+        self.rows[-1]["notes"] = "; ".join(x for x in (text, self.rows[-1].get("notes")) if x)
+        self.save()
+
+    def keep_round(self, config: str, res: dict[str, Any]) -> None:
+        """A round of a pooled row, saved as it comes: a run killed before the row is built
+        keeps its rounds' figures."""
+        s = summarize_train([res])
+        self.rounds_done.append({"config": config, "pairs_per_s": s["captions_per_s"],
+                                 "step_ms": s["step_ms"], "wait": s["wait"],
+                                 "peak_mb": s["peak_mb"], "notes": res.get("notes", "")})
+        self.save()
+
     def save(self) -> None:
         """The rows so far to `json_path`: a run killed at its time limit keeps them."""
         if self.json_path is not None:
             from captioning.atomic import write_json_atomic
 
-            write_json_atomic(self.json_path, {"cpu": self.cpu, "rows": self.rows,
-                                               "seconds": self.seconds}, indent=2)
+            write_json_atomic(self.json_path, {
+                "cpu": self.cpu, **self.header, "rows": self.rows, "rounds": self.rounds_done,
+                "seconds": self.seconds}, indent=2)
+
+
+class PastDeadline(Exception):
+    """A row not run, or a worker killed, at `--deadline-s`: a skipped row, not a failure."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,9 +219,11 @@ def stage_train(check: Check) -> None:
         for path, spec in (("off", check.train_spec(*head, fast_path="off")),
                            (mode, fast_spec(*head)),
                            (ondevice, {**fast_spec(*head), "features_on_device": True})):
-            res = attempt(check, "train", f"cached, {head[0]}, batch {head[1]}, fast_path "
-                          f"{path}", lambda spec=spec: check.run(spec))
-            pair[path] += [res] if res else []
+            config = f"cached, {head[0]}, batch {head[1]}, fast_path {path}"
+            res = attempt(check, "train", config, lambda spec=spec: check.run(spec))
+            if res:
+                pair[path].append(res)
+                check.keep_round(config, res)
     for precision in ("bf16-mixed", "32-true"):
         for batch in ((4, 8) if check.cpu else (64, 128)):
             if (check.fast_only or check.headline_only) and (precision, batch) != head:
@@ -198,6 +234,7 @@ def stage_train(check: Check) -> None:
                 attempt(check, "train", config, lambda spec=spec: check.run(spec))
             if res:  # else its FAILED row is in the table
                 check.single[(precision, batch)] = train_row(check, "train", config, res)
+    fast: dict[tuple[str, int], float] = {}
     for precision, batch in fast_rows:
         if check.headline_only and (precision, batch) != head:
             continue
@@ -207,18 +244,17 @@ def stage_train(check: Check) -> None:
             attempt(check, "train", config, lambda spec=spec: check.run(spec))
         if not res:
             continue
-        rate = train_row(check, "train", config, res)
+        rate = fast[(precision, batch)] = train_row(check, "train", config, res)
         eager = check.single.get((precision, batch))
         if eager:
-            check.rows[-1]["notes"] = f"{rate / eager:.2f}x eager; " + check.rows[-1]["notes"]
-        if (precision, batch) == head and pair[ondevice]:  # its batches gathered there
-            loader = rate
-            rate = train_row(check, "train", f"cached, {precision}, batch {batch}, fast_path "
-                             f"{ondevice}", pair[ondevice])
-            check.rows[-1]["notes"] = "; ".join(
-                [f"{rate / loader:.2f}x the loader's grids"]
-                + ([f"{rate / eager:.2f}x eager"] if eager else [])
-                + ["the peak holds the grids", check.rows[-1]["notes"]])
+            check.note(f"{rate / eager:.2f}x eager")
+    if pair[ondevice]:  # the fast path, its batches gathered on the device
+        rate = train_row(check, "train", f"cached, {head[0]}, batch {head[1]}, fast_path "
+                         f"{ondevice}", pair[ondevice])
+        loader, eager = fast.get(head), check.single.get(head)
+        check.note("; ".join(([f"{rate / loader:.2f}x the loader's grids"] if loader else [])
+                             + ([f"{rate / eager:.2f}x eager"] if eager else [])
+                             + ["the peak holds the grids"]))
 
 
 def attempt(check: Check, stage: str, config: str, fn: Callable[[], Any]) -> Any:
@@ -229,6 +265,9 @@ def attempt(check: Check, stage: str, config: str, fn: Callable[[], Any]) -> Any
         return None
     try:
         return fn()
+    except PastDeadline as e:  # not a failure: the check ran out of its time
+        check.add(stage, config, str(e), notes="past --deadline-s")
+        return None
     except Exception as e:
         log.exception("%s %s failed", stage, config)
         check.failed = True
@@ -266,8 +305,7 @@ def stage_coco(check: Check, prepared: tuple[dict[str, Any], str] | None = None)
         rate = train_row(check, "train COCO-size", f"{config}, grids on the device", res,
                          notes="the split's grids copied to the device at the start; the "
                                "peak holds them")
-        check.rows[-1]["notes"] = f"{rate / loader:.2f}x the loader's; " + \
-            check.rows[-1]["notes"]
+        check.note(f"{rate / loader:.2f}x the loader's")
 
 
 def stage_beam(check: Check) -> None:
@@ -311,14 +349,18 @@ def stage_ddp(check: Check, res: dict[str, Any] | None) -> None:
         check.add("ddp", "all GPUs, bf16-mixed", "skipped", notes="fewer than 2 GPUs")
         return
     n, batch = res["world_size"], check.base["batch_size"]
+    config = f"{n} {'processes' if check.cpu else 'GPUs'}, bf16-mixed, batch {batch} each"
+    rate = train_row(check, "ddp", config, res, world=n)  # kept before anything else runs
     single = check.single.get(("bf16-mixed", batch))
     if single is None:
-        single = summarize_train([check.run(check.train_spec("bf16-mixed", batch))])[
-            "captions_per_s"]
-    rate = train_row(check, "ddp", f"{n} {'processes' if check.cpu else 'GPUs'}, bf16-mixed, "
-                     f"batch {batch} each", res, world=n)
-    check.rows[-1]["notes"] = (f"scaling efficiency {100 * rate / (n * single):.0f}% "
-                               f"(1 device: {single:.1f} pairs/s); " + check.rows[-1]["notes"])
+        one = attempt(check, "ddp", f"{config}: the one-device run",
+                      lambda: check.run(check.train_spec("bf16-mixed", batch)))
+        single = summarize_train([one])["captions_per_s"] if one else None
+    if single:
+        row = next(r for r in reversed(check.rows) if r["config"] == config)
+        row["notes"] = (f"scaling efficiency {100 * rate / (n * single):.0f}% "
+                        f"(1 device: {single:.1f} pairs/s); " + row["notes"])
+        check.save()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,16 +493,28 @@ def gpu_test_files() -> list[str]:
 def start_gpu_tests() -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
                              "-p", "no:cacheprovider", *gpu_test_files()], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **own_process_group())
 
 
-def finish_gpu_tests(check: Check, proc: subprocess.Popen[str]) -> None:
+def finish_gpu_tests(check: Check, proc: subprocess.Popen[str], *,
+                     timeout: float | None = None) -> None:
+    """The GPU tests' row; killed (with their process group) after `timeout` seconds (default:
+    at the deadline), reporting what had passed by then."""
+    killed = False
     try:
-        out, _ = proc.communicate(timeout=max(1.0, check.left()))
+        out, _ = proc.communicate(timeout=max(1.0, check.left() if timeout is None else timeout))
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out = proc.communicate()[0]
-        log.error("pytest -m gpu ran past --deadline-s; killed:\n%s", out[-4000:])
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, killed = proc.communicate()[0], True
+    if killed:
+        passed = sum(line.count(".") for line in out.splitlines()  # pytest -q's progress
+                     if re.fullmatch(r"[.sxXFE]+\s*(\[\s*\d+%\])?", line.strip()))
+        check.add("gpu tests", "pytest -m gpu", "killed at --deadline-s",
+                  notes=f"about {passed} passed before; the output's tail is in the log")
+        log.error("pytest -m gpu killed at the deadline:\n%s", out[-4000:])
+        return
     counts = {k: 0 for k in ("passed", "failed", "skipped", "error")}
     summary = next((line for line in reversed(out.splitlines())  # what came after it aside
                     if re.search(r"\b\d+ (passed|failed|skipped|errors?|deselected)\b.* in "
@@ -496,6 +550,8 @@ def prepare(args: argparse.Namespace, work: Path, start: float) -> Check:
                  fast_only=args.fast_only, headline_only=args.headline_only,
                  rounds=args.rounds or (1 if args.cpu else 2),
                  deadline=None if args.deadline_s is None else start + args.deadline_s,
+                 header={"machine": describe_machine(base["device"], base["threads"]),
+                         "steps": base["steps"], "warmup": base["warmup"]},
                  json_path=Path(args.json) if args.json else None,
                  coco_images=args.coco_images or (256 if args.cpu else COCO_TRAIN_IMAGES))
 
@@ -531,7 +587,8 @@ def run_checks(args: argparse.Namespace, check: Check) -> None:
             stages.remove("coco")
     if tests is not None and not check.cpu:
         t0 = time.perf_counter()
-        finish_gpu_tests(check, tests)
+        finish_gpu_tests(check, tests, timeout=None if check.deadline is None else
+                         TESTS_SHARE * max(0.0, check.left()))  # the timed stages' time kept
         check.seconds["tests"] = time.perf_counter() - t0  # after the cache: the rest of them
     spec = ddp_spec(check) if "ddp" in stages else None
     ddp = start_worker(spec, check.threads) if spec and check.cpu else None
@@ -540,10 +597,14 @@ def run_checks(args: argparse.Namespace, check: Check) -> None:
             run_stage(check, name, lambda f=steps[name]: f(check))
     if "ddp" in stages:
         def ddp_row() -> None:
-            res = finish_worker(ddp, "train") if ddp is not None else (
-                check.run(spec) if spec else None)
+            res = finish_worker(ddp, "train", timeout=max(1.0, check.left())) \
+                if ddp is not None else (check.run(spec) if spec else None)
             stage_ddp(check, res)
         run_stage(check, "ddp", ddp_row)
+        if ddp is not None and ddp.poll() is None:  # its stage skipped: it must not run on
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(ddp.pid, signal.SIGKILL)
+            ddp.communicate()
     if tests is not None and check.cpu:
         finish_gpu_tests(check, tests)
 
@@ -614,9 +675,14 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         check = prepare(args, work, start)
-        run_checks(args, check)
-    print_table(check)
-    check.save()
+        from captioning.locks import sigterm_raises
+
+        try:  # SIGTERM from outside: workers killed with their groups, the rows kept
+            with sigterm_raises():
+                run_checks(args, check)
+        finally:
+            print_table(check)
+            check.save()
     return 1 if check.failed else 0
 
 

@@ -430,6 +430,31 @@ def test_every_rank_stops_when_one_has_no_room(shapes_dm_kwargs: dict, tmp_path:
     assert verdicts == [True, True]
 
 
+def test_every_rank_stops_when_one_cannot_copy(shapes_dm_kwargs: dict, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second verdict: whether the copy worked, on every rank."""
+    dm = _cached_dm(shapes_dm_kwargs, tmp_path / "f", features_on_device=True)
+    dm.teardown("fit")
+    verdicts: list[bool] = []
+
+    def the_other_rank_fails_its_copy(fits: bool) -> bool:
+        verdicts.append(fits)
+        return len(verdicts) == 1  # they fit everywhere; then one copy fails
+
+    with pytest.raises(CacheError, match="another process could not hold the train split's"):
+        dm.hold_grids("cpu", stage="fit", agree=the_other_rank_fails_its_copy)
+    assert verdicts == [True, True] and not dm._grids
+
+    def out_of_memory(self: FeatureCache, device: Any, **kw: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(FeatureCache, "to_device", out_of_memory)
+    verdicts.clear()
+    with pytest.raises(torch.OutOfMemoryError):  # this rank's own error, after telling them
+        dm.hold_grids("cpu", stage="fit", agree=lambda ok: verdicts.append(ok) or all(verdicts))
+    assert verdicts == [True, False] and not dm._grids
+
+
 def test_grids_are_copied_a_chunk_at_a_time() -> None:
     from captioning.data.features import copy_in_chunks
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tiny_runs import REPO
 
 STAGES = ("gpu tests", "train", "train COCO-size", "train uncached", "beam search", "overlays",
@@ -98,3 +99,45 @@ def test_headline_only_trains_the_headline_rows(tmp_path: Path) -> None:
         "cached, 32-true, batch 4", "cached, 32-true, batch 4, fast_path compile",
         "cached, 32-true, batch 4, fast_path compile, grids on the device"]
     assert all(float(r["result"].split()[0]) > 0 for r in rows)
+
+
+def test_a_worker_past_its_time_is_killed_with_its_children() -> None:
+    from bench.process import finish_worker, own_process_group
+
+    child = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **own_process_group())
+    with pytest.raises(RuntimeError, match="ran past 1 s; killed"):
+        finish_worker(proc, "train", timeout=1.0)
+    assert proc.poll() is not None  # and its `sleep` went with its group: communicate returned
+
+
+def test_gpu_tests_past_the_deadline_are_killed_and_say_so(tmp_path: Path) -> None:
+    import gpu_check
+    from bench.process import own_process_group
+
+    check = gpu_check.Check(cpu=False, work=tmp_path, base={}, threads=None, coco_images=0,
+                            json_path=tmp_path / "check.json")
+    slow = ("import subprocess, sys, time; print('..s.'); sys.stdout.flush(); "
+            "subprocess.Popen(['sleep', '60']); time.sleep(60)")  # the child keeps the pipe
+    proc = subprocess.Popen([sys.executable, "-c", slow], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **own_process_group())
+    gpu_check.finish_gpu_tests(check, proc, timeout=1.0)
+    (row,) = json.loads((tmp_path / "check.json").read_text())["rows"]
+    assert (row["result"], row["notes"]) == (
+        "killed at --deadline-s", "about 3 passed before; the output's tail is in the log")
+    assert not check.failed and proc.poll() is not None
+
+
+def test_the_wheels_script_parses_and_pins_installed_packages() -> None:
+    """scripts/gpu_wheels.sh (the wheels a bare CUDA image lacks, docs/benchmarks.md): bash
+    reads it, and each package it pins is installed here, where its version is read."""
+    import importlib.metadata
+    import re
+
+    script = REPO / "scripts" / "gpu_wheels.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    names = re.search(r"^PACKAGES=\(([^)]*)\)", script.read_text(), re.M).group(1).split()
+    assert "jsonargparse" in names
+    for name in names:
+        assert importlib.metadata.version(name)

@@ -65,6 +65,9 @@ def test_torchrun_two_processes_train_one_epoch(shapes_dm_kwargs: dict[str, Any]
     assert {line["input_dims"] for r in lines for line in lines[r]} == {3}  # grids, gathered
     held = proc.stderr.count("grids of the train split on cpu")
     assert held == (2 if on_device else 0), proc.stderr[-3000:]  # by each rank
+    # each rank held them once, asking every rank's verdict (the loader's path holds nothing)
+    assert {tuple(line["holds"]) for r in lines for line in lines[r]} == {
+        (True,) if on_device else ()}
     assert len(lines[0]) == len(lines[1]) > 0  # both ranks trained, step for step
     seen = Counter((i, tuple(c)) for r in lines for line in lines[r] for i, c in line["pairs"])
     expected = _dataset_pairs(shapes_dm_kwargs, tmp_path / "features")

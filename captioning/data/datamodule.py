@@ -442,10 +442,13 @@ class CaptionDataModule(L.LightningDataModule):
         """Copy the grids of the stage's splits (None: every split) that `GridRows` serve onto
         `device`, where they are not yet. Stops with one `CacheError` line when they do not fit
         (`features.room_problem`). `agree`: every process's verdict, all or none (DDP:
-        `strategy.reduce_boolean_decision`), so that every rank stops with the same line."""
+        `strategy.reduce_boolean_decision`), asked twice (do they fit; did the copy work), so
+        that every rank stops when one does, and none waits at a collective."""
         from captioning.data.features import CacheError, room_problem
 
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is "cuda:N" once held
+            device = torch.device("cuda", torch.cuda.current_device())
         wanted = _STAGE_SPLITS.get(stage, DATA_SPLITS)
         todo = {split: cache for split, cache in self._grid_caches.items() if split in wanted
                 and (split not in self._grids or self._grids[split].device != device)}
@@ -460,11 +463,25 @@ class CaptionDataModule(L.LightningDataModule):
             raise CacheError(problem or f"data.features_on_device: {what} do not fit on "
                              "another process's GPU; set data.features_on_device false to "
                              "read them through the loader")
+        failure: BaseException | None = None
         for split, cache in todo.items():
             t0 = time.perf_counter()
-            self._grids[split] = cache.to_device(device)
+            try:
+                self._grids[split] = cache.to_device(device)
+            except Exception as e:  # out of memory, a damaged block: the other ranks learn it
+                failure = e
+                break
             log.info("%s grids of the %s split on %s in %.1fs", f"{len(cache):,}", split,
                      device, time.perf_counter() - t0)
+        if agree is not None and not agree(failure is None) and failure is None:
+            for split in todo:
+                self._grids.pop(split, None)
+            raise CacheError(f"data.features_on_device: another process could not hold {what} "
+                             "on its device; see its error")
+        if failure is not None:
+            for split in todo:
+                self._grids.pop(split, None)
+            raise failure
 
     def teardown(self, stage: str) -> None:
         """The stage's grids leave the device (a later stage copies what it needs again)."""
@@ -478,9 +495,12 @@ class CaptionDataModule(L.LightningDataModule):
         if not isinstance(batch, CaptionBatch) or batch.grid_split is None:
             return batch
         device = batch.captions.device
-        if batch.grid_split not in self._grids:
+        if batch.grid_split not in self._grids:  # every rank meets its split's first batch
+            strategy = None if self.trainer is None else self.trainer.strategy
             self.hold_grids(device, stage={"train": "fit", "val": "validate",
-                                           "test": "test"}[batch.grid_split])
+                                           "test": "test"}[batch.grid_split],
+                            agree=strategy.reduce_boolean_decision
+                            if strategy is not None and strategy.world_size > 1 else None)
         grids = self._grids[batch.grid_split]  # (N, L, D) float16
         rows = batch.images.to(grids.device, non_blocking=True)  # (B,)
         images = grids.index_select(0, rows).to(device, non_blocking=True)  # (B, L, D)

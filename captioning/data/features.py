@@ -229,14 +229,14 @@ class FeatureCache:
         return read_only_tensor(self.array[self._row(path)])
 
     def rows(self, paths: Sequence[str | Path]) -> np.ndarray:
-        """(N,) int64 the row of each path (`GridRows`), each block hashed first where `verify`
-        is lazy."""
-        return np.fromiter((self._row(p) for p in paths), np.int64, len(paths))
+        """(N,) int64 the row of each path (`GridRows`); no block is hashed here (`to_device`
+        hashes a lazy cache's blocks, after the room check)."""
+        return np.fromiter((self._row(p, check=False) for p in paths), np.int64, len(paths))
 
     def to_device(self, device: str | torch.device, *, chunk_rows: int | None = None
                   ) -> Tensor:
         """The whole (N, L, D) float16 array as one tensor on `device`, for batches gathered
-        there (`CaptionDataModule(features_on_device=True)`; `check_room` first).
+        there (`CaptionDataModule(features_on_device=True)`; `room_problem` first).
 
         On the CPU it is the read-only map itself (no copy; never write into it); elsewhere a
         copy, `chunk_rows` rows at a time (default: about 64 MiB). With `verify="lazy"` every
@@ -257,13 +257,13 @@ class FeatureCache:
                                                           max(1, self.array[:1].nbytes)))
         return out
 
-    def _row(self, path: str | Path) -> int:
-        """The row of `path`, its block hashed first where `verify` is lazy."""
+    def _row(self, path: str | Path, *, check: bool = True) -> int:
+        """The row of `path`, its block hashed first where `verify` is lazy (and `check`)."""
         key = str(path)
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = self.index[str(Path(path).resolve())]
-        if self.verify == "lazy" and row // self.block_rows not in self._checked:
+        if check and self.verify == "lazy" and row // self.block_rows not in self._checked:
             self._check_block(row // self.block_rows)
         return row
 

@@ -35,7 +35,16 @@ def start_worker(spec: dict[str, Any], threads: int | None) -> subprocess.Popen[
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [spec["code"], env.get("PYTHONPATH")]))
     return subprocess.Popen([sys.executable, script, "--worker", json.dumps(spec)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # its own group: a timeout stops its ranks
+                            **own_process_group())  # a timeout stops its ranks
+
+
+def own_process_group() -> dict[str, Any]:
+    """`subprocess.Popen` arguments that put the child in a process group of its own (so that
+    `os.killpg` stops it with its children), in the caller's session: a session of its own
+    would outlive the caller on a machine that ends the caller's session."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"preexec_fn": os.setpgrp}  # before 3.11
 
 
 def export_revision(rev: str, dest: Path) -> Path:
