@@ -62,6 +62,7 @@ _STAGE_SPLITS: dict[str | None, tuple[str, ...]] = {
     "fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": (),
     None: DATA_SPLITS,
 }
+_SPLIT_STAGE = {"train": "fit", "val": "validate", "test": "test"}  # the stage that sets it up
 
 
 def _check_arguments(source: DataSource | None, on_bad_data: str, **sizes: int) -> None:
@@ -431,7 +432,7 @@ class CaptionDataModule(L.LightningDataModule):
     def dataset_for(self, split: str) -> CaptionDataset:
         """The dataset of a split (set up on demand)."""
         if split not in self._datasets:  # as its stage would, less the vocabulary's check:
-            stage = {"train": "fit", "val": "validate", "test": "test"}[split]
+            stage = _SPLIT_STAGE[split]
             self._setup_splits(_STAGE_SPLITS[stage])  # caches and benchmarks do not train
         return self._datasets[split]
 
@@ -463,25 +464,21 @@ class CaptionDataModule(L.LightningDataModule):
             raise CacheError(problem or f"data.features_on_device: {what} do not fit on "
                              "another process's GPU; set data.features_on_device false to "
                              "read them through the loader")
-        failure: BaseException | None = None
-        for split, cache in todo.items():
-            t0 = time.perf_counter()
-            try:
+        error: Exception | None = None
+        try:
+            for split, cache in todo.items():
+                t0 = time.perf_counter()
                 self._grids[split] = cache.to_device(device)
-            except Exception as e:  # out of memory, a damaged block: the other ranks learn it
-                failure = e
-                break
-            log.info("%s grids of the %s split on %s in %.1fs", f"{len(cache):,}", split,
-                     device, time.perf_counter() - t0)
-        if agree is not None and not agree(failure is None) and failure is None:
-            for split in todo:
-                self._grids.pop(split, None)
-            raise CacheError(f"data.features_on_device: another process could not hold {what} "
-                             "on its device; see its error")
-        if failure is not None:
-            for split in todo:
-                self._grids.pop(split, None)
-            raise failure
+                log.info("%s grids of the %s split on %s in %.1fs", f"{len(cache):,}", split,
+                         device, time.perf_counter() - t0)
+        except Exception as e:  # out of memory, a damaged block: the other ranks learn of it
+            error = e
+        if (error is None) if agree is None else agree(error is None):
+            return
+        for split in todo:
+            self._grids.pop(split, None)
+        raise error or CacheError(f"data.features_on_device: another process could not hold "
+                                  f"{what} on its device; see its error")
 
     def teardown(self, stage: str) -> None:
         """The stage's grids leave the device (a later stage copies what it needs again)."""
@@ -497,8 +494,7 @@ class CaptionDataModule(L.LightningDataModule):
         device = batch.captions.device
         if batch.grid_split not in self._grids:  # every rank meets its split's first batch
             strategy = None if self.trainer is None else self.trainer.strategy
-            self.hold_grids(device, stage={"train": "fit", "val": "validate",
-                                           "test": "test"}[batch.grid_split],
+            self.hold_grids(device, stage=_SPLIT_STAGE[batch.grid_split],
                             agree=strategy.reduce_boolean_decision
                             if strategy is not None and strategy.world_size > 1 else None)
         grids = self._grids[batch.grid_split]  # (N, L, D) float16
