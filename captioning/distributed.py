@@ -4,6 +4,7 @@ before torch.distributed is set up: `captioning.launch`.)"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,6 +14,14 @@ from torch import Tensor
 def is_distributed() -> bool:
     """Whether a default process group is set up (DDP)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def agreement(strategy: Any) -> Callable[[bool], bool] | None:
+    """Every rank's verdict, all or none, under a Lightning strategy of several processes
+    (`reduce_boolean_decision`); None for one process."""
+    if strategy is None or getattr(strategy, "world_size", 1) < 2:
+        return None
+    return strategy.reduce_boolean_decision
 
 
 def world_size() -> int:

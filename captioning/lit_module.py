@@ -4,7 +4,6 @@ optimisers. Losses: `captioning.objectives`; decoding: `Captioner.generate`; met
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -29,8 +28,6 @@ from captioning.optim import StepGuard, batch_message, build_adam, poisoned_loss
 from captioning.scst import ScstConfig
 from captioning.train_values import TrainValues
 from captioning.vocab import Vocabulary
-
-log = logging.getLogger(__name__)
 
 
 class CaptioningModule(L.LightningModule):
@@ -84,8 +81,7 @@ class CaptioningModule(L.LightningModule):
             **self.hparams, "attention": net.attention, "hard_estimator": net.hard_estimator,
             "vocab_size": net.vocab_size, "scst": scst, "forbid_unk": decode.forbid_unk})
         self.vocab: Vocabulary | None = None
-        self.val_results = EvalResults()
-        self.test_results = EvalResults()
+        self.val_results, self.test_results = EvalResults(), EvalResults()
         self._pending = EvalResults()
         self._cache_source: tuple[Any, str] | None = None  # (data module, encoder fingerprint)
         self._guard = StepGuard(self.named_parameters)  # non-finite losses and gradients
@@ -106,9 +102,6 @@ class CaptioningModule(L.LightningModule):
         self.objective.attach(dm)  # SCST's reward reads the training references
         if getattr(dm, "feature_cache", False) and not self.net_config.finetune_encoder:
             self._attach_feature_cache(dm)
-        elif getattr(dm, "features_on_device", False) and self.trainer.is_global_zero:
-            log.warning("data.features_on_device has no effect without a feature cache "
-                        "(data.feature_cache false, or model.net.finetune_encoder true)")
         if self.captioner.decoder.fast_path == "off":  # once: a compiled pass keeps its graphs
             device = self.trainer.strategy.root_device if self._trainer else self.device
             mode = resolve_fast_path(self.hparams.fast_path, device, self.net_config.attention)
@@ -118,7 +111,7 @@ class CaptioningModule(L.LightningModule):
         """Frozen encoder: the data module serves cached annotation grids; the CNN never runs."""
         key = self.captioner.feature_cache_key()
         attach_feature_cache(dm, self.captioner.encoder, key, strategy=self.trainer.strategy,
-                             stage=getattr(self.trainer.state.fn, "value", None))
+                             stage=self.trainer.state.fn)
         self._cache_source = (dm, key["weights"])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

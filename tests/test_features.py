@@ -16,6 +16,7 @@ from PIL import Image
 from tiny_runs import tiny_encoder
 from torch.utils.data import DataLoader
 
+from captioning.data import device_grids
 from captioning.data.cache_names import CACHE_NAME_RE, cache_files, cache_identity
 from captioning.data.datamodule import CaptionDataModule
 from captioning.data.datasets import CachedInputs
@@ -366,10 +367,10 @@ class _HeldSplits(L.Callback):
         self.dims: set[int] = set()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.held = set(trainer.datamodule._grids)
+        self.held = set(trainer.datamodule.device_grids.held)
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.held = set(trainer.datamodule._grids)
+        self.held = set(trainer.datamodule.device_grids.held)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
         self.dims.add(batch.images.dim())
@@ -388,7 +389,7 @@ def test_training_from_grids_on_the_device_equals_the_loaders(shapes_dm_kwargs: 
         trainer = tiny_fit(dm, module, tmp_path / str(on_device), train_batches=3,
                            callbacks=[held])
         assert held.held == ({"train", "val"} if on_device else set()) and held.dims == {3}
-        assert not dm._grids  # the fit's teardown let them go
+        assert not dm.device_grids.held  # the fit's teardown let them go
         states.append({k: v.clone() for k, v in module.state_dict().items()})
         (scores,) = trainer.test(module, datamodule=dm, verbose=False)
         assert held.held == ({"test"} if on_device else set())  # the test stage's split only
@@ -401,13 +402,13 @@ def test_training_from_grids_on_the_device_equals_the_loaders(shapes_dm_kwargs: 
 def test_a_later_stage_holds_only_its_own_split(shapes_dm_kwargs: dict, tmp_path: Path) -> None:
     dm = _cached_dm(shapes_dm_kwargs, tmp_path / "f", features_on_device=True)
     dm.hold_grids("cpu", stage="fit")
-    assert set(dm._grids) == {"train", "val"}
+    assert set(dm.device_grids.held) == {"train", "val"}
     dm.teardown("fit")
     dm.setup("test")
     batch = next(iter(dm.test_dataloader()))
-    assert batch.grid_split == "test" and not dm._grids
+    assert batch.grid_split == "test" and not dm.device_grids.held
     got = dm.on_after_batch_transfer(batch, 0)  # held on first use, where nothing held it
-    assert set(dm._grids) == {"test"} and got.images.dim() == 3
+    assert set(dm.device_grids.held) == {"test"} and got.images.dim() == 3
 
 
 def test_every_rank_stops_when_one_has_no_room(shapes_dm_kwargs: dict, tmp_path: Path) -> None:
@@ -422,9 +423,9 @@ def test_every_rank_stops_when_one_has_no_room(shapes_dm_kwargs: dict, tmp_path:
     with pytest.raises(CacheError, match=r"the train split's 24 and the val split's 8 grids "
                                          r"do not fit on another process's GPU"):
         dm.hold_grids("cpu", stage="fit", agree=another_rank_lacks_room)
-    assert verdicts == [True] and not dm._grids
+    assert verdicts == [True] and not dm.device_grids.held
     dm.hold_grids("cpu", stage="fit", agree=lambda fits: fits)
-    assert set(dm._grids) == {"train", "val"}
+    assert set(dm.device_grids.held) == {"train", "val"}
     with pytest.raises(CacheError, match="the grids do not fit"):  # nothing to copy: it asks
         dm.hold_grids("cpu", stage="fit", agree=another_rank_lacks_room)
     assert verdicts == [True, True]
@@ -443,20 +444,20 @@ def test_every_rank_stops_when_one_cannot_copy(shapes_dm_kwargs: dict, tmp_path:
 
     with pytest.raises(CacheError, match="another process could not hold the train split's"):
         dm.hold_grids("cpu", stage="fit", agree=the_other_rank_fails_its_copy)
-    assert verdicts == [True, True] and not dm._grids
+    assert verdicts == [True, True] and not dm.device_grids.held
 
-    def out_of_memory(self: FeatureCache, device: Any, **kw: Any) -> torch.Tensor:
+    def out_of_memory(cache: FeatureCache, device: Any, **kw: Any) -> torch.Tensor:
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(FeatureCache, "to_device", out_of_memory)
+    monkeypatch.setattr(device_grids, "to_device", out_of_memory)
     verdicts.clear()
     with pytest.raises(torch.OutOfMemoryError):  # this rank's own error, after telling them
         dm.hold_grids("cpu", stage="fit", agree=lambda ok: verdicts.append(ok) or all(verdicts))
-    assert verdicts == [True, False] and not dm._grids
+    assert verdicts == [True, False] and not dm.device_grids.held
 
 
 def test_grids_are_copied_a_chunk_at_a_time() -> None:
-    from captioning.data.features import copy_in_chunks
+    from captioning.data.device_grids import copy_in_chunks
 
     array = np.arange(10 * 3 * 2, dtype=np.float16).reshape(10, 3, 2)
     for rows in (1, 3, 10, 64):
@@ -470,14 +471,16 @@ def test_grids_are_copied_a_chunk_at_a_time() -> None:
 def test_a_lazy_cache_is_checked_whole_before_it_goes_on_the_device(copied_images: list[Path],
                                                                     tmp_path: Path) -> None:
     cache = _build(tmp_path / "f", tiny_encoder(), copied_images)
-    on_cpu = FeatureCache(cache.array_path, _index(cache), verify="lazy").to_device("cpu")
+    cpu = torch.device("cpu")
+    on_cpu = device_grids.to_device(FeatureCache(cache.array_path, _index(cache), verify="lazy"),
+                                    cpu)
     assert torch.equal(on_cpu, torch.from_numpy(np.asarray(cache.array)))
     with open(cache.array_path, "r+b") as f:  # damage the last row
         f.seek(-2, os.SEEK_END)
         f.write(b"\x00\x7c")
     lazy = FeatureCache(cache.array_path, _index(cache), verify="lazy")
     with pytest.raises(CacheError, match=r"rows \d+-\d+ differ from their hash"):
-        lazy.to_device("cpu")
+        device_grids.to_device(lazy, cpu)
     assert not cache.array_path.with_suffix(".json").exists()  # the next run rebuilds it
 
 
@@ -488,7 +491,7 @@ def _index(cache: FeatureCache) -> dict[str, Any]:
 
 
 def test_grids_that_do_not_fit_the_gpu_are_refused_in_one_line() -> None:
-    from captioning.data.features import room_problem
+    from captioning.data.device_grids import room_problem
 
     gpu, gb = torch.device("cuda", 0), 10**9
     assert room_problem(60 * gb, gpu, what="grids", free_total=(70 * gb, 80 * gb)) is None

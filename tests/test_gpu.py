@@ -161,7 +161,7 @@ def check_grids_gather_on(device: str, shapes_dm_kwargs: dict, tmp_path: Path) -
         batch = next(iter(dm.train_dataloader()))
         batches.append(dm.on_after_batch_transfer(
             replace(batch, images=batch.images.to(device)), 0))
-    assert dm._grids["train"].device.type == device  # held there, not gathered on the host
+    assert dm.device_grids.held["train"].device.type == device  # held there, not gathered on the host
     assert batches[1].images.device.type == device
     assert torch.equal(batches[1].images, batches[0].images)
 

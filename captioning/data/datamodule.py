@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as L
@@ -28,41 +26,36 @@ from torch.utils.data import DataLoader, Dataset
 from captioning.choices import check_choice
 from captioning.data.datasets import (
     CachedInputs,
-    CaptionBatch,
     CaptionCollate,
     CaptionDataset,
     CaptionImages,
     CaptionPairs,
-    GridRows,
     ImageInputs,
     TokenIndex,
 )
+from captioning.data.device_grids import DeviceGrids
 from captioning.data.features import CacheVerify
-from captioning.data.images import ImageLoadError, image_problems
+from captioning.data.images import image_problems
 from captioning.data.problems import DataError, Problem
 from captioning.data.readers import DATA_SPLITS, ImageRecord, OnError
-from captioning.data.reading import bad_images, read_source, unchecked_image
+from captioning.data.reading import bad_images, read_source
 from captioning.data.samplers import (
     BucketBatchSampler,
     EpochShuffleSampler,
     ImageBatchSampler,
     ResumableDataLoader,
 )
+from captioning.data.serving import SPLIT_STAGE, STAGE_SPLITS, FeatureServing
 from captioning.data.sources import DataSource, ObjectBoxes, ShapesSource
 from captioning.data.transforms import build_image_transform
 from captioning.data.vocab_file import check_origin, load_or_build_vocab
 from captioning.vocab import Vocabulary
 
 if TYPE_CHECKING:
-    from captioning.data.features import FeatureCache
+    pass
 
 log = logging.getLogger(__name__)
 
-_STAGE_SPLITS: dict[str | None, tuple[str, ...]] = {
-    "fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": (),
-    None: DATA_SPLITS,
-}
-_SPLIT_STAGE = {"train": "fit", "val": "validate", "test": "test"}  # the stage that sets it up
 
 
 def _check_arguments(source: DataSource | None, on_bad_data: str, **sizes: int) -> None:
@@ -75,7 +68,7 @@ def _check_arguments(source: DataSource | None, on_bad_data: str, **sizes: int) 
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-class CaptionDataModule(L.LightningDataModule):
+class CaptionDataModule(FeatureServing, L.LightningDataModule):
     """Images and captions for Show, Attend and Tell.
 
     `source` says where they come from (`captioning.data.sources`): `ShapesSource` (the
@@ -103,11 +96,11 @@ class CaptionDataModule(L.LightningDataModule):
     per image (`ImageBatchSampler`; its speed-up is in docs/benchmarks.md).
     `cache_verify`: how much of a feature cache is checked when opened (see `features`): every
     block's hash (`full`), each block on its first read (`lazy`), or sizes only (`size`).
-    `features_on_device`: with a feature cache, each split's grids are held whole on the
-    training device (a GPU's memory; on the CPU, the cache's map itself) and batches carry
-    their rows, gathered there after the transfer (`on_after_batch_transfer`): no grid goes
-    through the loader or the host-to-device copy. A split that does not fit on the GPU stops
-    the run with one line (`features.room_problem`).
+    `features_on_device`: where the feature cache serves (a frozen encoder), each split's grids
+    are held whole on the training device (a GPU's memory; on the CPU, the cache's map itself)
+    and batches carry their rows, gathered there after the transfer (`on_after_batch_transfer`):
+    no grid goes through the loader or the host-to-device copy. A split that does not fit on
+    the GPU stops the run with one line (`device_grids.room_problem`).
     """
 
     def __init__(
@@ -163,12 +156,10 @@ class CaptionDataModule(L.LightningDataModule):
         self.seed = seed
         self.on_bad_data = on_bad_data
         self.validate_images = validate_images
-        self.feature_cache = feature_cache
-        self.cache_dir = cache_dir
         check_choice("cache_verify", cache_verify, CacheVerify)
-        self.cache_verify = cache_verify
-        self.eval_references = eval_references
-        self.features_on_device = features_on_device
+        self.feature_cache, self.cache_dir, self.cache_verify = feature_cache, cache_dir, \
+            cache_verify
+        self.features_on_device, self.eval_references = features_on_device, eval_references
         self._init_state()
         if hflip:
             log.warning("hflip=True: flipped images make left/right in their captions false")
@@ -179,8 +170,7 @@ class CaptionDataModule(L.LightningDataModule):
         self._encoder: Any = None  # set by use_encoder_cache(); inputs become cached features
         self._encoder_config: dict[str, Any] = {}
         self._cache_device: Any = None
-        self._grids: dict[str, Tensor] = {}  # split -> (N, L, D) grids on the device
-        self._grid_caches: dict[str, FeatureCache] = {}  # split -> the cache `GridRows` read
+        self.device_grids = DeviceGrids()  # with `features_on_device`
 
         self.skipped: dict[str, int] = {"captions": 0, "images": 0, "image_files": 0}
         self.carved: tuple[str, ...] = ()  # the splits carved out of the training images
@@ -314,7 +304,7 @@ class CaptionDataModule(L.LightningDataModule):
             # training with a shared vocabulary file: built from these captions and settings?
             check_origin(self.vocab_path, self._vocab_origin, self.vocab, self._build_vocab())
             self._vocab_origin = None
-        self._setup_splits(_STAGE_SPLITS.get(stage, DATA_SPLITS))
+        self._setup_splits(STAGE_SPLITS.get(stage, DATA_SPLITS))
 
     def _setup_splits(self, splits: Sequence[str]) -> None:
         """The datasets of `splits`, after their images are checked (see `setup`)."""
@@ -341,66 +331,11 @@ class CaptionDataModule(L.LightningDataModule):
         with `features_on_device` its row of the split's grids (`GridRows`)."""
         if self._encoder is not None:
             cache, paths = self._build_cache(records, split), [r.path for r in records]
-            self._grids.pop(split, None)  # an older cache's grids (`hold_grids` copies anew)
-            if not self.features_on_device:
-                return CachedInputs(cache, paths)
-            self._grid_caches[split] = cache
-            return GridRows(split, cache.rows(paths))
+            self.device_grids.release([split])  # an older cache's grids
+            return self.device_grids.serve(split, cache, paths) if self.features_on_device \
+                else CachedInputs(cache, paths)
         return ImageInputs([r.path for r in records], self.image_transform(split == "train"),
                            min_side=self.image_size)
-
-    # ---- feature cache -------------------------------------------------------------------
-
-    def use_encoder_cache(self, encoder: Any, encoder_config: dict[str, Any], *,
-                          device: Any = None) -> None:
-        """Serve cached annotation grids of a frozen `encoder` instead of images.
-
-        Each split's grids are computed once (`captioning.data.features.FeatureCache`) and
-        memory-mapped; datasets already set up switch their inputs in place.
-        """
-        if self._encoder is not None and encoder_config == self._encoder_config:
-            return  # already served from these caches (a later stage of the same run)
-        if self.hflip:
-            log.warning("feature cache: hflip is ignored, cached features are never flipped")
-        self._encoder, self._encoder_config, self._cache_device = encoder, encoder_config, device
-        for split, ds in self._datasets.items():
-            ds.inputs = self._make_inputs(self.records(split), split)
-
-    def cache_features(self, splits: Sequence[str] = DATA_SPLITS,
-                       ) -> dict[str, FeatureCache]:
-        """Build (or find) the feature cache of each non-empty split; after `use_encoder_cache`.
-
-        Images are checked first (`validate_images`, `on_bad_data`), as `setup` would.
-        Returns {split: FeatureCache}.
-        """
-        if self._encoder is None:
-            raise RuntimeError("call use_encoder_cache(encoder, key) before cache_features()")
-        out: dict[str, FeatureCache] = {}
-        for split in splits:
-            if not self.records(split):
-                continue
-            self._check_images(split)
-            out[split] = self._build_cache(self.records(split), split)
-        return out
-
-    def cache_root(self) -> Path:
-        """Where the feature caches go: `cache_dir`, else the source's `cache_root()`."""
-        return Path(self.cache_dir) if self.cache_dir else self.source.cache_root()
-
-    def _build_cache(self, records: Sequence[ImageRecord], split: str) -> FeatureCache:
-        from captioning.data.features import FeatureCache
-
-        try:
-            return FeatureCache.build(
-                cache_dir=self.cache_root(), encoder=self._encoder,
-                encoder_config=self._encoder_config, image_size=self.image_size,
-                paths=[r.path for r in records], transform=self.image_transform(False),
-                batch_size=self.eval_batch_size, num_workers=self.num_workers,
-                device=self._cache_device, progress=f"caching {split} features",
-                verify=self.cache_verify)
-        except ImageLoadError as e:  # the first bad image met (unchecked, or damaged within)
-            raise DataError(unchecked_image(records, split, e,
-                                            validated=self.validate_images)) from None
 
     def _train_tokens(self, records: list[ImageRecord]) -> TokenIndex:
         """Tokens of every caption of `records` (cached for the current training records)."""
@@ -432,77 +367,9 @@ class CaptionDataModule(L.LightningDataModule):
     def dataset_for(self, split: str) -> CaptionDataset:
         """The dataset of a split (set up on demand)."""
         if split not in self._datasets:  # as its stage would, less the vocabulary's check:
-            stage = _SPLIT_STAGE[split]
-            self._setup_splits(_STAGE_SPLITS[stage])  # caches and benchmarks do not train
+            stage = SPLIT_STAGE[split]
+            self._setup_splits(STAGE_SPLITS[stage])  # caches and benchmarks do not train
         return self._datasets[split]
-
-    # ---- grids held on the device (`features_on_device`) -----------------------------------
-
-    def hold_grids(self, device: str | torch.device, *, stage: str | None = None,
-                   agree: Callable[[bool], bool] | None = None) -> None:
-        """Copy the grids of the stage's splits (None: every split) that `GridRows` serve onto
-        `device`, where they are not yet. Stops with one `CacheError` line when they do not fit
-        (`features.room_problem`). `agree`: every process's verdict, all or none (DDP:
-        `strategy.reduce_boolean_decision`), asked twice (do they fit; did the copy work), so
-        that every rank stops when one does, and none waits at a collective."""
-        from captioning.data.features import CacheError, room_problem
-
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:  # "cuda" is "cuda:N" once held
-            device = torch.device("cuda", torch.cuda.current_device())
-        wanted = _STAGE_SPLITS.get(stage, DATA_SPLITS)
-        todo = {split: cache for split, cache in self._grid_caches.items() if split in wanted
-                and (split not in self._grids or self._grids[split].device != device)}
-        for split in todo:
-            self._grids.pop(split, None)
-        what = " and ".join(f"the {split} split's {len(cache):,}" for split, cache in
-                            todo.items()) + " grids" if todo else "the grids"
-        problem = room_problem(sum(c.array.nbytes for c in todo.values()), device,
-                               what=what) if todo else None
-        fits = problem is None if agree is None else agree(problem is None)  # every rank asks
-        if not fits:
-            raise CacheError(problem or f"data.features_on_device: {what} do not fit on "
-                             "another process's GPU; set data.features_on_device false to "
-                             "read them through the loader")
-        error: Exception | None = None
-        try:
-            for split, cache in todo.items():
-                t0 = time.perf_counter()
-                self._grids[split] = cache.to_device(device)
-                log.info("%s grids of the %s split on %s in %.1fs", f"{len(cache):,}", split,
-                         device, time.perf_counter() - t0)
-        except Exception as e:  # out of memory, a damaged block: the other ranks learn of it
-            error = e
-        if (error is None) if agree is None else agree(error is None):
-            return
-        for split in todo:
-            self._grids.pop(split, None)
-        raise error or CacheError(f"data.features_on_device: another process could not hold "
-                                  f"{what} on its device; see its error")
-
-    def teardown(self, stage: str) -> None:
-        """The stage's grids leave the device (a later stage copies what it needs again)."""
-        for split in _STAGE_SPLITS.get(stage, DATA_SPLITS):
-            self._grids.pop(split, None)
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """A batch of `GridRows` gets its (B, L, D) grids, gathered from the split's grids on
-        the device (copied there first where they are not: one process's own check), as the
-        precision plugin would have given them; any other batch passes as it is."""
-        if not isinstance(batch, CaptionBatch) or batch.grid_split is None:
-            return batch
-        device = batch.captions.device
-        if batch.grid_split not in self._grids:  # every rank meets its split's first batch
-            strategy = None if self.trainer is None else self.trainer.strategy
-            self.hold_grids(device, stage=_SPLIT_STAGE[batch.grid_split],
-                            agree=strategy.reduce_boolean_decision
-                            if strategy is not None and strategy.world_size > 1 else None)
-        grids = self._grids[batch.grid_split]  # (N, L, D) float16
-        rows = batch.images.to(grids.device, non_blocking=True)  # (B,)
-        images = grids.index_select(0, rows).to(device, non_blocking=True)  # (B, L, D)
-        if self.trainer is not None:  # e.g. bf16-true: as the loader's grids are converted
-            images = self.trainer.precision_plugin.convert_input(images)
-        return replace(batch, images=images, grid_split=None)
 
     # ---- loaders -------------------------------------------------------------------------
 

@@ -1,9 +1,8 @@
 """Frozen-encoder feature cache: each image's annotation grid computed once, memory-mapped.
 
-The cache is one float16 `.npy` array of shape (N, L, D) plus a JSON index, named by a key
-that hashes the encoder config, the input size and every image file (path, size, mtime).
-Change any of them and a new cache is built. Arrays are opened lazily in each process, so
-datasets holding a cache pickle cleanly into DataLoader workers.
+One float16 `.npy` array (N, L, D) and a JSON index, named by a key hashing the encoder config,
+the input size and every image file (path, size, mtime): a change builds a new cache. Arrays
+open lazily in each process, so datasets holding a cache pickle cleanly into DataLoader workers.
 
 The index (`KEY.json`) is the cache's truth. It records the array file's byte size, the .npy
 header's shape, dtype and data offset, a blake2b-128 hash of each block of rows (`block_rows`
@@ -48,6 +47,7 @@ from captioning.atomic import remove_stale_temporaries, write_atomic, write_json
 from captioning.choices import check_choice
 from captioning.data.cache_names import CACHE_VERSION, cache_files, cache_identity
 from captioning.data.datasets import ImageInputs
+from captioning.distributed import agreement
 from captioning.locks import exclusive_lock, sigterm_raises
 
 log = logging.getLogger(__name__)
@@ -166,15 +166,6 @@ def read_only_tensor(array: np.ndarray) -> Tensor:
         return torch.from_numpy(array)
 
 
-def copy_in_chunks(array: np.ndarray, out: Tensor, rows: int) -> None:
-    """`out[:] = array`, `rows` rows at a time (pageable and synchronous, so that no more than
-    a chunk of a memory-mapped file is read ahead)."""
-    if out.shape != array.shape:
-        raise ValueError(f"cannot copy {array.shape} rows into {tuple(out.shape)}")
-    for start in range(0, len(out), rows):
-        out[start:start + rows].copy_(read_only_tensor(array[start:start + rows]))
-
-
 class FeatureCache:
     """Read-only view of a built, checked cache: `cache[path] -> (L, D) float16 tensor`.
 
@@ -229,33 +220,17 @@ class FeatureCache:
         return read_only_tensor(self.array[self._row(path)])
 
     def rows(self, paths: Sequence[str | Path]) -> np.ndarray:
-        """(N,) int64 the row of each path (`GridRows`); no block is hashed here (`to_device`
-        hashes a lazy cache's blocks, after the room check)."""
+        """(N,) int64 the row of each path (`GridRows`), no block hashed."""
         return np.fromiter((self._row(p, check=False) for p in paths), np.int64, len(paths))
 
-    def to_device(self, device: str | torch.device, *, chunk_rows: int | None = None
-                  ) -> Tensor:
-        """The whole (N, L, D) float16 array as one tensor on `device`, for batches gathered
-        there (`CaptionDataModule(features_on_device=True)`; `room_problem` first).
-
-        On the CPU it is the read-only map itself (no copy; never write into it); elsewhere a
-        copy, `chunk_rows` rows at a time (default: about 64 MiB). With `verify="lazy"` every
-        block not yet hashed in this process is hashed first, since every row is read.
-        """
-        device = torch.device(device)
-        if self.verify == "lazy":
-            todo = [b for b in range(len(self.block_hashes)) if b not in self._checked]
-            found = block_digests(self.array, self.block_rows) if todo else []
-            for b in todo:  # the first bad block raises, as a lazy read would
-                if found[b] != self.block_hashes[b]:
-                    self._check_block(b)
-                self._checked.add(b)
-        if device.type == "cpu":
-            return read_only_tensor(self.array)
-        out = torch.empty(self._shape, dtype=torch.float16, device=device)
-        copy_in_chunks(self.array, out, chunk_rows or max(1, (64 * BLOCK_BYTES) //
-                                                          max(1, self.array[:1].nbytes)))
-        return out
+    def check_every_block(self) -> None:
+        """With `verify="lazy"`, hash every block now (all rows are about to be read)."""
+        if self.verify != "lazy":
+            return
+        found = block_digests(self.array, self.block_rows)  # in parallel threads
+        for b in (b for b, h in enumerate(found) if h != self.block_hashes[b]):
+            self._check_block(b)  # raises: the first bad block, as its first read would
+        self._checked.update(range(len(found)))
 
     def _row(self, path: str | Path, *, check: bool = True) -> int:
         """The row of `path`, its block hashed first where `verify` is lazy (and `check`)."""
@@ -345,26 +320,6 @@ class FeatureCache:
                 write_json_atomic(index_path, meta, indent=None)
         log.info("feature cache built: %s (%d images)", array_path, len(paths))
         return cls(array_path, meta, verify=verify)
-
-
-def room_problem(nbytes: int, device: torch.device, *, what: str,
-                 free_total: tuple[int, int] | None = None) -> str | None:
-    """Why `nbytes` do not fit on a CUDA `device` with room left for training (the larger of
-    2 GiB and a tenth of its memory), or None. `free_total`: its free and total bytes (default
-    `torch.cuda.mem_get_info`, plus what the caching allocator holds unused)."""
-    if device.type != "cuda":
-        return None
-    if free_total is None:
-        free, total = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    else:
-        free, total = free_total
-    keep = max(2 << 30, total // 10)
-    if nbytes <= free - keep:
-        return None
-    return (f"data.features_on_device: {what} need {nbytes / 1e9:.1f} GB on {device}, which "
-            f"has {free / 1e9:.1f} GB free of {total / 1e9:.1f} GB and keeps {keep / 1e9:.1f} GB "
-            "for training; set data.features_on_device false to read them through the loader")
 
 
 def _remove_stale(cache_dir: Path) -> None:
@@ -471,9 +426,8 @@ def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any
 
     `key` is what the grids depend on besides the images (`Captioner.feature_cache_key()`).
     With a Lightning `strategy` (several processes), rank zero builds the cache while the
-    others wait at a barrier, then open it. Building never shifts the RNG streams. With the
-    data module's `features_on_device`, the grids of `stage`'s splits then go onto `device`
-    (every rank agreeing that they fit, under DDP).
+    others wait at a barrier, then open it. Building never shifts the RNG streams. Then, with
+    `features_on_device`, the data module holds `stage`'s grids on `device` (`hold_grids`).
     """
     from lightning.pytorch.utilities.seed import isolate_rng
 
@@ -487,9 +441,7 @@ def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any
         if first and strategy is not None:
             strategy.barrier("feature-cache")
     if getattr(datamodule, "features_on_device", False) and device is not None:
-        several = strategy is not None and strategy.world_size > 1
-        datamodule.hold_grids(device, stage=stage, agree=strategy.reduce_boolean_decision
-                              if several else None)
+        datamodule.hold_grids(device, stage=stage, agree=agreement(strategy))
 
 
 def _progress(total: int, enabled: bool, desc: str) -> Any:

@@ -1,0 +1,118 @@
+"""The data module's feature cache: a frozen encoder's annotation grids served instead of
+images (`use_encoder_cache`, built once per split: `captioning.data.features`), and with
+`features_on_device` held on the training device (`captioning.data.device_grids`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from captioning.data.datasets import CaptionBatch
+from captioning.data.device_grids import DeviceGrids
+from captioning.data.features import FeatureCache
+from captioning.data.images import ImageLoadError
+from captioning.data.problems import DataError
+from captioning.data.readers import DATA_SPLITS, ImageRecord
+from captioning.data.reading import unchecked_image
+from captioning.distributed import agreement
+
+log = logging.getLogger(__name__)
+
+#: The splits each stage sets up, and the stage that sets each split up.
+STAGE_SPLITS: dict[str | None, tuple[str, ...]] = {
+    "fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": (),
+    None: DATA_SPLITS,
+}
+SPLIT_STAGE = {"train": "fit", "val": "validate", "test": "test"}
+
+
+class FeatureServing:
+    """`CaptionDataModule`'s feature-cache methods (a base class of it). The data module
+    gives them its records (`records`, `_check_images`, `_datasets`, `_make_inputs`), its
+    image, loader and cache settings, and the state `_init_state` sets: `_encoder`,
+    `_encoder_config`, `_cache_device` and `device_grids`."""
+
+    _encoder: Any
+    _encoder_config: dict[str, Any]
+    _cache_device: Any
+    device_grids: DeviceGrids
+    trainer: Any
+
+    def use_encoder_cache(self, encoder: Any, encoder_config: dict[str, Any], *,
+                          device: Any = None) -> None:
+        """Serve cached annotation grids of a frozen `encoder` instead of images.
+
+        Each split's grids are computed once (`captioning.data.features.FeatureCache`) and
+        memory-mapped; datasets already set up switch their inputs in place.
+        """
+        if self._encoder is not None and encoder_config == self._encoder_config:
+            return  # already served from these caches (a later stage of the same run)
+        if self.hflip:
+            log.warning("feature cache: hflip is ignored, cached features are never flipped")
+        self._encoder, self._encoder_config, self._cache_device = encoder, encoder_config, device
+        for split, ds in self._datasets.items():
+            ds.inputs = self._make_inputs(self.records(split), split)
+
+    def cache_features(self, splits: Sequence[str] = DATA_SPLITS,
+                       ) -> dict[str, FeatureCache]:
+        """Build (or find) the feature cache of each non-empty split; after `use_encoder_cache`.
+
+        Images are checked first (`validate_images`, `on_bad_data`), as `setup` would.
+        Returns {split: FeatureCache}.
+        """
+        if self._encoder is None:
+            raise RuntimeError("call use_encoder_cache(encoder, key) before cache_features()")
+        out: dict[str, FeatureCache] = {}
+        for split in splits:
+            if not self.records(split):
+                continue
+            self._check_images(split)
+            out[split] = self._build_cache(self.records(split), split)
+        return out
+
+    def cache_root(self) -> Path:
+        """Where the feature caches go: `cache_dir`, else the source's `cache_root()`."""
+        return Path(self.cache_dir) if self.cache_dir else self.source.cache_root()
+
+    def _build_cache(self, records: Sequence[ImageRecord], split: str) -> FeatureCache:
+        try:
+            return FeatureCache.build(
+                cache_dir=self.cache_root(), encoder=self._encoder,
+                encoder_config=self._encoder_config, image_size=self.image_size,
+                paths=[r.path for r in records], transform=self.image_transform(False),
+                batch_size=self.eval_batch_size, num_workers=self.num_workers,
+                device=self._cache_device, progress=f"caching {split} features",
+                verify=self.cache_verify)
+        except ImageLoadError as e:  # the first bad image met (unchecked, or damaged within)
+            raise DataError(unchecked_image(records, split, e,
+                                            validated=self.validate_images)) from None
+
+    def hold_grids(self, device: str | torch.device, *, stage: str | None = None,
+                   agree: Callable[[bool], bool] | None = None) -> None:
+        """Hold the grids of the stage's splits (None: all) on `device` (`DeviceGrids.hold`;
+        `agree`: every rank's verdict, `distributed.agreement`)."""
+        self.device_grids.hold(device, STAGE_SPLITS.get(stage, DATA_SPLITS), agree=agree)
+
+    def teardown(self, stage: str) -> None:
+        """The stage's grids leave the device (a later stage copies what it needs again)."""
+        self.device_grids.release(STAGE_SPLITS.get(stage, DATA_SPLITS))
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A batch of `GridRows` gets its (B, L, D) grids from the device (held first where
+        they are not), through the precision plugin as the loader's are; others pass."""
+        if not isinstance(batch, CaptionBatch) or batch.grid_split is None:
+            return batch
+        device, trainer = batch.captions.device, self.trainer
+        if batch.grid_split not in self.device_grids.held:  # every rank meets its first batch
+            self.hold_grids(device, stage=SPLIT_STAGE[batch.grid_split],
+                            agree=agreement(trainer and trainer.strategy))
+        images = self.device_grids.gather(batch.grid_split, batch.images, device)
+        if trainer is not None:  # e.g. bf16-true, as the loader's grids are converted
+            images = trainer.precision_plugin.convert_input(images)
+        return replace(batch, images=images, grid_split=None)
