@@ -331,7 +331,6 @@ class CaptionDataModule(FeatureServing, L.LightningDataModule):
         with `features_on_device` its row of the split's grids (`GridRows`)."""
         if self._encoder is not None:
             cache, paths = self._build_cache(records, split), [r.path for r in records]
-            self.device_grids.release([split])  # an older cache's grids
             return self.device_grids.serve(split, cache, paths) if self.features_on_device \
                 else CachedInputs(cache, paths)
         return ImageInputs([r.path for r in records], self.image_transform(split == "train"),

@@ -79,8 +79,9 @@ class DeviceGrids:
         self.caches: dict[str, FeatureCache] = {}  # split -> the cache its `GridRows` read
 
     def serve(self, split: str, cache: FeatureCache, paths: Sequence[str | Path]) -> GridRows:
-        """The split's inputs as rows of `cache` (held by the next `hold`)."""
-        self.held.pop(split, None)  # an older cache's grids
+        """The split's inputs as rows of `cache` (held by the next `hold`; an older cache's
+        grids of the split are let go)."""
+        self.held.pop(split, None)
         self.caches[split] = cache
         return GridRows(split, cache.rows(paths))
 
@@ -96,7 +97,8 @@ class DeviceGrids:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" is "cuda:N" once held
             device = torch.device("cuda", torch.cuda.current_device())
-        todo = {s: c for s, c in self.caches.items() if s in set(splits)
+        wanted = set(splits)
+        todo = {s: c for s, c in self.caches.items() if s in wanted
                 and (s not in self.held or self.held[s].device != device)}
         self.release(todo)
         what = " and ".join(f"the {s} split's {len(c):,}" for s, c in todo.items()) + " grids" \
