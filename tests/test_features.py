@@ -399,6 +399,49 @@ def test_training_from_grids_on_the_device_equals_the_loaders(shapes_dm_kwargs: 
         assert torch.equal(states[0][k], states[1][k]), k
 
 
+class _StepInputs(L.Callback):
+    """Each training step's inputs, as the step gets them."""
+
+    def __init__(self) -> None:
+        self.images: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        self.images.append(batch.images)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_batch_moves_itself_and_takes_the_precisions_dtype_after_the_move(
+        shapes_dm_kwargs: dict, tmp_path: Path, on_device: bool) -> None:
+    """Lightning's transfer calls `CaptionBatch.to` (no walk through every reference) and its
+    bf16-true cast passes the batch over (no cast on the host); the data module casts the
+    inputs after the transfer, to the values Lightning's cast would give."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    dm = _cached_dm(shapes_dm_kwargs, tmp_path / "f", features_on_device=on_device)
+    batch = next(iter(dm.train_dataloader()))
+    assert HalfPrecision("bf16-true").convert_input(batch) is batch
+    moved = move_data_to_device(batch, torch.device("cpu"))
+    assert moved.references is batch.references and moved.image_ids is batch.image_ids
+    assert torch.equal(moved.images, batch.images) and moved.grid_split == batch.grid_split
+
+    steps = _StepInputs()
+    trainer = L.Trainer(max_steps=2, limit_val_batches=0, num_sanity_val_steps=0,
+                        precision="bf16-true", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", devices=1, callbacks=[steps],
+                        default_root_dir=str(tmp_path))
+    L.seed_everything(0)
+    trainer.fit(_module(dm, finetune=False), datamodule=dm)
+    assert len(steps.images) == 2
+    L.seed_everything(0)  # the same shuffle: the loader's batches of float16 grids
+    grids = [b.images for b, _ in zip(_cached_dm(shapes_dm_kwargs, tmp_path / "f")
+                                      .train_dataloader(), range(2))]
+    for got, grid in zip(steps.images, grids, strict=True):
+        assert grid.dtype == torch.float16 and got.dtype == torch.bfloat16
+        assert torch.equal(got, grid.to(torch.bfloat16))
+
+
 def test_a_later_stage_holds_only_its_own_split(shapes_dm_kwargs: dict, tmp_path: Path) -> None:
     dm = _cached_dm(shapes_dm_kwargs, tmp_path / "f", features_on_device=True)
     dm.hold_grids("cpu", stage="fit")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -159,8 +158,7 @@ def check_grids_gather_on(device: str, shapes_dm_kwargs: dict, tmp_path: Path) -
         attach_feature_cache(dm, encoder, {"backbone": "resnet18", "device": device},
                              device=device)
         batch = next(iter(dm.train_dataloader()))
-        batches.append(dm.on_after_batch_transfer(
-            replace(batch, images=batch.images.to(device)), 0))
+        batches.append(dm.on_after_batch_transfer(batch.to(device), 0))
     assert dm.device_grids.held["train"].device.type == device  # held there, not gathered on the host
     assert batches[1].images.device.type == device
     assert torch.equal(batches[1].images, batches[0].images)

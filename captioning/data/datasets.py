@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,26 +31,56 @@ from captioning.vocab import Vocabulary, tokenize
 # Batches
 
 
-@dataclass
 class CaptionBatch:
-    """A batch sorted by `lengths`, longest first."""
+    """A batch sorted by `lengths`, longest first.
 
-    images: Tensor  # (B, 3, H, W) normalised images, or (B, L, D) cached features
-    captions: Tensor  # (B, T) long: <start> w1 .. wn <end> <pad> ...
-    lengths: Tensor  # (B,) long, tokens incl. <start> and <end>
-    image_ids: list = field(default_factory=list)  # len B
-    references: list[list[str]] = field(default_factory=list)  # raw references per item
-    # Set by `GridRows`: `images` is (B,) long, the rows of this split's grids on the device,
-    # which `CaptionDataModule.on_after_batch_transfer` gathers into (B, L, D).
-    grid_split: str | None = None
+    A plain class, not a dataclass, on purpose: Lightning walks a dataclass field by field, into
+    every reference string, to move it to the device (about 1 ms a batch of 64 pairs on this
+    project's CPU), and again before that to cast it under the "-true" precisions (on the host).
+    A `CaptionBatch` moves itself instead (`to`: its tensors, pinned ones without blocking),
+    and those casts pass it over: `CaptionDataModule.on_after_batch_transfer` casts `images`
+    after the transfer, to the values Lightning's cast gives."""
+
+    __slots__ = ("captions", "grid_split", "image_ids", "images", "lengths", "references")
+
+    def __init__(self, images: Tensor, captions: Tensor, lengths: Tensor,
+                 image_ids: list | None = None, references: list[list[str]] | None = None,
+                 grid_split: str | None = None) -> None:
+        self.images = images  # (B, 3, H, W) normalised images, or (B, L, D) cached features
+        self.captions = captions  # (B, T) long: <start> w1 .. wn <end> <pad> ...
+        self.lengths = lengths  # (B,) long, tokens incl. <start> and <end>
+        self.image_ids: list = [] if image_ids is None else image_ids  # len B
+        # raw references per item
+        self.references: list[list[str]] = [] if references is None else references
+        # Set by `GridRows`: `images` is (B,) long, the rows of this split's grids on the
+        # device, which `CaptionDataModule.on_after_batch_transfer` gathers into (B, L, D).
+        self.grid_split = grid_split
 
     def __len__(self) -> int:
         return len(self.image_ids)
 
+    def __repr__(self) -> str:
+        return (f"CaptionBatch(images={tuple(self.images.shape)} {self.images.dtype}, "
+                f"captions={tuple(self.captions.shape)}, {len(self)} items, "
+                f"grid_split={self.grid_split!r})")
+
+    def replace(self, **changes: Any) -> CaptionBatch:
+        """A copy with `changes` (field names) applied."""
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"CaptionBatch has no field(s) {sorted(unknown)}")
+        return CaptionBatch(**{**fields, **changes})
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> CaptionBatch:
+        """The batch with its tensors on `device` (Lightning's transfer calls this)."""
+        return self.replace(**{name: getattr(self, name).to(device, non_blocking=non_blocking)
+                               for name in ("images", "captions", "lengths")})
+
     def pin_memory(self) -> CaptionBatch:
-        return CaptionBatch(self.images.pin_memory(), self.captions.pin_memory(),
-                            self.lengths.pin_memory(), self.image_ids, self.references,
-                            self.grid_split)
+        return self.replace(images=self.images.pin_memory(),
+                            captions=self.captions.pin_memory(),
+                            lengths=self.lengths.pin_memory())
 
 
 @dataclass(frozen=True)

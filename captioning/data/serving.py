@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -104,15 +103,21 @@ class FeatureServing:
         self.device_grids.release(STAGE_SPLITS.get(stage, DATA_SPLITS))
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """A batch of `GridRows` gets its (B, L, D) grids from the device (held first where
-        they are not), through the precision plugin as the loader's are; others pass."""
-        if not isinstance(batch, CaptionBatch) or batch.grid_split is None:
+        """A batch's inputs cast by the precision plugin ("-true" precisions; Lightning's own
+        cast, before the transfer, passes a `CaptionBatch` over), on the device. A batch of
+        `GridRows` gets its (B, L, D) grids from the device first (held first where they are
+        not). Other batches pass."""
+        if not isinstance(batch, CaptionBatch):
             return batch
-        device, trainer = batch.captions.device, self.trainer
-        if batch.grid_split not in self.device_grids.held:  # every rank meets its first batch
-            self.hold_grids(device, stage=SPLIT_STAGE[batch.grid_split],
-                            agree=agreement(trainer and trainer.strategy))
-        images = self.device_grids.gather(batch.grid_split, batch.images, device)
-        if trainer is not None:  # e.g. bf16-true, as the loader's grids are converted
+        images, trainer = batch.images, self.trainer
+        if batch.grid_split is not None:
+            device = batch.captions.device
+            if batch.grid_split not in self.device_grids.held:  # every rank meets its first
+                self.hold_grids(device, stage=SPLIT_STAGE[batch.grid_split],
+                                agree=agreement(trainer and trainer.strategy))
+            images = self.device_grids.gather(batch.grid_split, images, device)
+        if trainer is not None:  # e.g. bf16-true: bfloat16 (mixed precisions: as it is)
             images = trainer.precision_plugin.convert_input(images)
-        return replace(batch, images=images, grid_split=None)
+        if images is batch.images and batch.grid_split is None:
+            return batch
+        return batch.replace(images=images, grid_split=None)
