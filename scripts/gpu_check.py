@@ -3,7 +3,7 @@
     python scripts/gpu_check.py                     # CUDA: the paper configuration
     python scripts/gpu_check.py --cpu               # every stage at tiny sizes on the CPU
     python scripts/gpu_check.py --stages train,beam --coco-images 20000
-    python scripts/gpu_check.py --stages tests,train,coco --headline-only --rounds 2 \
+    python scripts/gpu_check.py --stages tests,train,coco,profile --headline-only --rounds 2 \
         --coco-images 20000 --deadline-s 480 --json OUT.json   # the targets, in one short call
 
 Stages (rows of the table):
@@ -23,6 +23,10 @@ Stages (rows of the table):
   many). They are written through the feature cache's own build path, random grids standing in
   for the CNN, then dropped from the page cache (`posix_fadvise`), so the run reads the disk;
   then the same with the grids copied to the GPU first (`data.features_on_device`);
+* `profile`: the headline setting's eager and fast-path steps under `torch.profiler`
+  (10 steps each): the GPU's busy time a step (its kernels' and copies' spans, overlaps
+  counted once) against the step's period, and the top host ops. Busy time well below the
+  period says the GPU waited for the host within the step;
 * `uncached`: training that decodes JPEGs (640x480, COCO's usual size) in 8 DataLoader workers
   and runs VGG-19 on every batch, with the share of step time spent waiting for data;
 * `beam`: beam search captions/s at beam 3 and 5, 100 and 500 images per batch (bf16-mixed;
@@ -82,9 +86,11 @@ from bench.workers import WORKERS, build_run
 log = logging.getLogger("gpu_check")
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("tests", "train", "coco", "uncached", "beam", "overlay", "ddp")
+STAGES = ("tests", "train", "coco", "profile", "uncached", "beam", "overlay", "ddp")
 COCO_TRAIN_IMAGES = 113_287  # Karpathy's COCO train split, restval included
 TESTS_SHARE = 0.4  # with --deadline-s: of the time left when the GPU tests are waited for
+PROFILE_STEPS = 10  # profiled steps of each profile row, after the warm-up
+PROFILE_WARMUP = 12  # steps first: most length buckets compile before the profiled ones
 
 
 @dataclass
@@ -199,13 +205,45 @@ def train_row(check: Check, stage: str, config: str, res: dict[str, Any] | list[
     return rate
 
 
+def headline(check: Check) -> tuple[str, tuple[str, int]]:
+    """(the fast path, (precision, batch)) of the headline rows: `graphs` at bf16-mixed and
+    the base batch on a GPU, `compile` at fp32 and batch 4 on the CPU."""
+    if check.cpu:
+        return "compile", ("32-true", 4)
+    return "graphs", ("bf16-mixed", check.base["batch_size"])
+
+
+def stage_profile(check: Check) -> None:
+    """The headline setting's eager and fast-path steps under torch.profiler: the GPU's busy
+    time a step (the union of its kernels' and copies' spans) against the step's period on
+    the GPU timeline, and the top host ops. Busy well below the period: the GPU waited for
+    the host (launches, Python, the loop) within the step."""
+    mode, (precision, batch) = headline(check)
+    for path in ("off", mode):
+        config = f"cached, {precision}, batch {batch}, fast_path {path}, profiled"
+        spec = check.train_spec(precision, batch, fast_path=path, profile=True,
+                                sample_gpu=False, steps=PROFILE_STEPS,
+                                warmup=max(check.base["warmup"], PROFILE_WARMUP))
+        res = attempt(check, "profile", config, lambda spec=spec: check.run(spec))
+        if not res:
+            continue
+        period = summarize_train([res])["step_ms"]
+        busy = res.get("device_busy_ms")
+        top = ", ".join(f"{r['op'][:40]} {r['self_cpu_ms']:.1f}" for r in res["profile"][:5])
+        if any("dynamo_timed" in r["op"] for r in res["profile"]):  # its timer's own label
+            top += " (a compile ran in the profiled steps: its ops lead)"
+        check.add("profile", config, f"{busy:.1f} ms GPU busy of {period:.1f} ms a step"
+                  if busy is not None else f"{period:.1f} ms a step", step_ms=f"{period:.0f}",
+                  notes=f"{PROFILE_STEPS} steps; top host ops, self ms a step: {top}; "
+                        "the profiler slows the host")
+
+
 def stage_train(check: Check) -> None:
     """Eager rows (`fast_path: off`) at both precisions and batches, then the fast path's rows
     (`graphs`; `compile` on the CPU) beside them, with their speed-up over eager. The
     headline pair, bf16-mixed at the base batch, runs `check.rounds` times, eager and fast
     path alternating, each round a fresh process: its rows pool every round's steps."""
-    mode = "compile" if check.cpu else "graphs"
-    head = ("32-true", 4) if check.cpu else ("bf16-mixed", check.base["batch_size"])
+    mode, head = headline(check)
     fast_rows = [("32-true", 4)] if check.cpu else [("bf16-mixed", 64), ("bf16-mixed", 128),
                                                     ("32-true", 64)]
 
@@ -577,7 +615,8 @@ def run_checks(args: argparse.Namespace, check: Check) -> None:
     tests = start_gpu_tests() if "tests" in stages else None
     prepared: dict[str, Any] = {}
     steps: dict[str, Callable[[Check], None]] = {
-        "train": stage_train, "coco": stage_coco, "uncached": stage_uncached,
+        "train": stage_train, "coco": stage_coco, "profile": stage_profile,
+        "uncached": stage_uncached,
         "beam": stage_beam, "overlay": stage_overlay}
     if "coco" in stages and not check.cpu:
         if run_stage(check, "coco cache", lambda: prepared.update(

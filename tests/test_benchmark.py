@@ -215,3 +215,23 @@ def test_summary_of_gpu_timeline_periods_and_of_host_steps() -> None:
     s = summarize_train([cpu])
     assert s["captions_per_s"] == 80.0 and abs(s["step_ms"] - 300.0) < 1e-9
     assert abs(s["wait"] - 0.25) < 1e-12
+
+
+def test_the_gpus_busy_time_is_the_union_of_its_events_spans() -> None:
+    """`device_busy_us` (the profile rows of `make gpu-check`): the device events' spans, work
+    on overlapping streams counted once, host events left out."""
+    from types import SimpleNamespace
+
+    from bench.probes import device_busy_us
+    from torch.autograd import DeviceType
+
+    def event(device: DeviceType, start: float, end: float) -> SimpleNamespace:
+        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start,
+                                                                              end=end))
+
+    gpu, cpu = DeviceType.CUDA, DeviceType.CPU
+    events = [event(gpu, 10, 20), event(gpu, 15, 30),  # overlapping streams: 10..30
+              event(gpu, 22, 25),  # inside it
+              event(gpu, 40, 45), event(cpu, 0, 100)]  # a gap, then the host's op
+    assert device_busy_us(events) == 25.0
+    assert device_busy_us([event(cpu, 0, 100)]) == 0.0

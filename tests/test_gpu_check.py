@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from tiny_runs import REPO
 
-STAGES = ("gpu tests", "train", "train COCO-size", "train uncached", "beam search", "overlays",
-          "ddp")
+STAGES = ("gpu tests", "train", "train COCO-size", "profile", "train uncached", "beam search",
+          "overlays", "ddp")
 
 
 def test_make_gpu_check_runs_the_script() -> None:
@@ -49,7 +49,7 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     for row in (eager, fast, ondevice):  # the headline rows on the CPU: two rounds, pooled
         assert "2 rounds (means " in row["notes"], row
     seconds = json.loads((tmp_path / "check.json").read_text())["seconds"]
-    assert {"train", "beam", "coco", "overlay"} <= seconds.keys()
+    assert {"train", "beam", "coco", "profile", "overlay"} <= seconds.keys()
     assert "seconds per stage: " in out.stdout
     assert len(by_stage["beam search"]) == 4  # beam 3 and 5, two batch sizes
     assert by_stage["gpu tests"][0]["result"].endswith(" 0 failed")
@@ -58,6 +58,13 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     coco_on_device = by_stage["train COCO-size"][1]  # the same cache, on the device
     assert coco_on_device["config"].endswith(", grids on the device")
     assert "x the loader's" in coco_on_device["notes"]
+    # The headline setting profiled, eager and the fast path (no GPU busy time on the CPU)
+    assert [r["config"] for r in by_stage["profile"]] == [
+        "cached, 32-true, batch 4, fast_path off, profiled",
+        "cached, 32-true, batch 4, fast_path compile, profiled"]
+    for r in by_stage["profile"]:
+        assert r["result"].endswith(" ms a step"), r
+        assert "top host ops, self ms a step: " in r["notes"], r
     assert by_stage["ddp"][0]["config"].startswith("2 processes")
     assert "scaling efficiency" in by_stage["ddp"][0]["notes"]
     for r in rows:

@@ -253,9 +253,27 @@ def profiler(spec: dict[str, Any]) -> Any:
                 self.prof.stop()
 
         def result(self) -> dict[str, Any]:
-            return {"profile": top_ops(self.prof.key_averages(), spec["steps"])}
+            busy = device_busy_us(self.prof.events()) if len(activities) > 1 else None
+            return {"profile": top_ops(self.prof.key_averages(), spec["steps"]),
+                    "device_busy_ms": None if busy is None else busy / 1e3 / spec["steps"]}
 
     return Profile()
+
+
+def device_busy_us(events: Any) -> float:
+    """Microseconds in which the GPU ran something (kernels, copies, sets), from a profile's
+    events (`prof.events()`): the union of the device events' spans, so that work on
+    overlapping streams counts once. Below a step's period, the GPU stood idle."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CUDA)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def top_ops(events: Any, steps: int, n: int = 15) -> list[dict[str, Any]]:
