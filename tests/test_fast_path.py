@@ -130,6 +130,24 @@ def test_compiled_pass_equals_the_eager_loop_on_the_cpu() -> None:
     assert_same(dec, eager, again)
 
 
+def test_one_compile_covers_a_bucket_whatever_the_batchs_width(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of one bucket compile once: captions cut from a wider batch (other strides)
+    and captions padded up to the bucket reach the compiled pass alike."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter, real = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter,
+                                                                dynamic=False))
+    torch._dynamo.reset()
+    dec = decoder("soft")
+    dec.use_fast_path("compile", bucket=4)
+    for lengths in ([5, 3], [6, 3], [7, 3]):  # widths 7, 8, 9: 6, 7, 8 steps, one bucket
+        loss_and_grads(dec, *batch(lengths))
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 def test_fast_path_settings() -> None:
     assert resolve_fast_path("auto", torch.device("cuda")) == "graphs"
     assert resolve_fast_path("auto", torch.device("cuda"), "hard") == "off"
