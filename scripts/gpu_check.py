@@ -23,16 +23,16 @@ Stages (rows of the table):
   many). They are written through the feature cache's own build path, random grids standing in
   for the CNN, then dropped from the page cache (`posix_fadvise`), so the run reads the disk;
   then the same with the grids copied to the GPU first (`data.features_on_device`);
-* `profile`: the headline setting's eager and fast-path steps under `torch.profiler`
-  (10 steps each): the GPU's busy time a step (its kernels' and copies' spans, overlaps
-  counted once) against the step's period, and the top host ops. Busy time well below the
-  period says the GPU waited for the host within the step;
 * `uncached`: training that decodes JPEGs (640x480, COCO's usual size) in 8 DataLoader workers
   and runs VGG-19 on every batch, with the share of step time spent waiting for data;
 * `beam`: beam search captions/s at beam 3 and 5, 100 and 500 images per batch (bf16-mixed;
   `<end>` disabled, so that every caption runs 20 steps);
 * `overlay`: `captioning.viz.render_strips` strips/s on the device (64 captions x 16 words,
   224 px, 14x14 grid, bicubic);
+* `profile`: the headline setting's eager and fast-path steps under `torch.profiler`
+  (10 steps each): the GPU's busy time a step (its kernels' and copies' spans, overlaps
+  counted once) against the step's period, and the top host ops. Busy time well below the
+  period says the GPU waited for the host within the step;
 * `ddp`: with 2 or more GPUs, cached training on all of them (DDP, bf16-mixed, batch 64 per
   GPU) and its scaling efficiency: global pairs/s / (GPUs x one GPU's pairs/s).
 
@@ -86,7 +86,7 @@ from bench.workers import WORKERS, build_run
 log = logging.getLogger("gpu_check")
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("tests", "train", "coco", "profile", "uncached", "beam", "overlay", "ddp")
+STAGES = ("tests", "train", "coco", "uncached", "beam", "overlay", "profile", "ddp")
 COCO_TRAIN_IMAGES = 113_287  # Karpathy's COCO train split, restval included
 TESTS_SHARE = 0.4  # with --deadline-s: of the time left when the GPU tests are waited for
 PROFILE_STEPS = 10  # profiled steps of each profile row, after the warm-up

@@ -225,13 +225,15 @@ def test_the_gpus_busy_time_is_the_union_of_its_events_spans() -> None:
     from bench.probes import device_busy_us
     from torch.autograd import DeviceType
 
-    def event(device: DeviceType, start: float, end: float) -> SimpleNamespace:
-        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start,
-                                                                              end=end))
+    def event(device: DeviceType, start: float, end: float,
+              activity: str = "kernel") -> SimpleNamespace:
+        return SimpleNamespace(device_type=device, activity_type=activity,
+                               time_range=SimpleNamespace(start=start, end=end))
 
     gpu, cpu = DeviceType.CUDA, DeviceType.CPU
     events = [event(gpu, 10, 20), event(gpu, 15, 30),  # overlapping streams: 10..30
-              event(gpu, 22, 25),  # inside it
-              event(gpu, 40, 45), event(cpu, 0, 100)]  # a gap, then the host's op
+              event(gpu, 22, 25, "gpu_memcpy"),  # inside it
+              event(gpu, 40, 45), event(cpu, 0, 100),  # a gap, then the host's op
+              event(gpu, 0, 100, "gpu_user_annotation")]  # a range, its gaps included
     assert device_busy_us(events) == 25.0
     assert device_busy_us([event(cpu, 0, 100)]) == 0.0

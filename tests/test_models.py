@@ -86,6 +86,19 @@ def test_captioner_forward_from_images_and_from_features() -> None:
     torch.testing.assert_close(out.logits, model(feats, caps, lengths).logits)
 
 
+def test_a_model_cast_whole_takes_float32_images() -> None:
+    """A bf16 model (bf16-true) encodes float32 images as their bfloat16 values: a loader not
+    behind the data module's cast (`on_after_batch_transfer`) still trains it."""
+    torch.manual_seed(0)
+    cfg = CaptionerConfig(vocab_size=V, backbone="resnet18", weights=None, grid_size=None,
+                          image_size=64, embed_dim=16, hidden_dim=32, attn_dim=16, dropout=0.0)
+    model = Captioner(cfg).eval().to(torch.bfloat16)
+    images = torch.randn(2, 3, 64, 64)
+    feats = model.encode(images)
+    assert feats.dtype == torch.bfloat16
+    assert torch.equal(feats, model.encode(images.to(torch.bfloat16)))
+
+
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_alpha_rows_sum_to_one_and_vanish_past_the_end(attention: str) -> None:
     torch.manual_seed(1)

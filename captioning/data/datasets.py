@@ -37,7 +37,7 @@ class CaptionBatch:
     A plain class, not a dataclass, on purpose: Lightning walks a dataclass field by field, into
     every reference string, to move it to the device (about 1 ms a batch of 64 pairs on this
     project's CPU), and again before that to cast it under the "-true" precisions (on the host).
-    A `CaptionBatch` moves itself instead (`to`: its tensors, pinned ones without blocking),
+    A `CaptionBatch` moves itself instead (`to`: its tensors, without blocking on CUDA),
     and those casts pass it over: `CaptionDataModule.on_after_batch_transfer` casts `images`
     after the transfer, to the values Lightning's cast gives."""
 
@@ -72,8 +72,14 @@ class CaptionBatch:
             raise TypeError(f"CaptionBatch has no field(s) {sorted(unknown)}")
         return CaptionBatch(**{**fields, **changes})
 
-    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> CaptionBatch:
-        """The batch with its tensors on `device` (Lightning's transfer calls this)."""
+    def to(self, device: torch.device | str, *, non_blocking: bool | None = None
+           ) -> CaptionBatch:
+        """The batch with its tensors on `device` (Lightning's transfer calls this, with the
+        device only). `non_blocking` None: not blocking except to the CPU (and MPS), as
+        Lightning copies a tensor."""
+        device = torch.device(device)  # a dtype is refused here: the captions stay long
+        if non_blocking is None:
+            non_blocking = device.type not in ("cpu", "mps")
         return self.replace(**{name: getattr(self, name).to(device, non_blocking=non_blocking)
                                for name in ("images", "captions", "lengths")})
 

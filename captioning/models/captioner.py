@@ -308,6 +308,10 @@ class Captioner(nn.Module):
         if images.dim() == 3:
             return images if keep_half else images.to(grid_dtype(images.dtype,
                                                                  self.decoder.weight_dtype))
+        weights = self.decoder.weight_dtype  # the encoder's too, unless it was cast alone
+        if images.is_floating_point() and images.dtype != weights and \
+                not torch.is_autocast_enabled(images.device.type):
+            images = images.to(weights)  # a model cast whole (bf16-true) given float32 images
         if self.encoder.trainable:
             return self.encoder(images)
         return per_distinct_row(images, self.encoder)  # frozen: once per distinct image
