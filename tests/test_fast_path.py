@@ -148,6 +148,51 @@ def test_one_compile_covers_a_bucket_whatever_the_batchs_width(
     torch._dynamo.reset()
 
 
+def test_a_smaller_batch_replays_its_buckets_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An epoch's smaller last batch runs at its mode's most rows, the extra rows masked: no
+    compile of its own, and the eager loop's outputs and gradients for its own rows."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter, real = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
+    torch._dynamo.reset()
+    dec = decoder("soft")
+    small = batch([6, 3, 5])
+    eager = loss_and_grads(dec, *small)
+    dec.use_fast_path("compile", bucket=8)
+    loss_and_grads(dec, *batch([4, 7, 2, 7, 5, 3]))  # a full batch: 6 rows
+    fixed = loss_and_grads(dec, *small)  # 3 rows, run as 6
+    assert counter.frame_count == 1
+    assert fixed[0].logits.shape[0] == 3
+    assert_same(dec, eager, fixed)
+    dec.eval()  # another mode: its own graph, at its own rows
+    with torch.no_grad():
+        dec(*small)
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+
+
+def test_every_bucket_and_mode_keeps_its_compiled_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More buckets and modes than dynamo's default recompile limit (8 a function) all stay
+    compiled (past it they would run eagerly), and the limit is put back after each call."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter, real = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
+    torch._dynamo.reset()
+    limit = torch.compiler.config.recompile_limit
+    dec = decoder("soft")
+    dec.use_fast_path("compile", bucket=2)
+    for n in range(3, 24, 2):  # 11 buckets
+        loss_and_grads(dec, *batch([n, 3]))
+    dec.eval()
+    with torch.no_grad():
+        dec(*batch([5, 3]))
+    assert counter.frame_count == 12 > limit
+    assert torch.compiler.config.recompile_limit == limit
+    torch._dynamo.reset()
+
+
 def test_fast_path_settings() -> None:
     assert resolve_fast_path("auto", torch.device("cuda")) == "graphs"
     assert resolve_fast_path("auto", torch.device("cuda"), "hard") == "off"

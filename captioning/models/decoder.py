@@ -13,7 +13,8 @@ positions only (`captioning.models.packing`), so no work is spent on padding.
 With a fast path (`use_fast_path`) it instead runs every caption for a fixed number of steps
 (the batch's caption width, rounded up to a multiple of `bucket`) and masks the outputs past
 each caption's end: fixed shapes, so that `torch.compile` (`compile`) fuses the whole unrolled pass
-and, on CUDA, `reduce-overhead` (`graphs`) replays it as CUDA graphs, one per bucket.
+and, on CUDA, `reduce-overhead` (`graphs`) replays it as CUDA graphs, one per bucket and mode
+(a smaller batch is padded with masked rows: `fast_path.FixedPass`).
 
 Hard attention is trained with sampled locations (`hard_estimator: reinforce`, §4.1) or with the
 straight-through Gumbel-softmax (`gumbel`; τ follows the `GumbelSchedule` through `set_tau`,
@@ -48,7 +49,7 @@ from captioning.models.attention import (
     context,
     select,
 )
-from captioning.models.fast_path import FastPath
+from captioning.models.fast_path import FastPath, FixedPass, pad_rows
 from captioning.models.packing import PackedSteps, StepTrace
 from captioning.models.pass_grads import (
     PassGradient,
@@ -138,7 +139,7 @@ class AttentionLSTMDecoder(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.fast_path: FastPath = "off"
         self.fast_bucket = 8
-        self._fixed: Callable[..., tuple[Tensor, ...]] | None = None  # compiled unrolled pass
+        self._fixed: FixedPass | None = None  # the compiled unrolled pass
 
     @property
     def weight_dtype(self) -> torch.dtype:  # float32, unless the model was cast
@@ -180,7 +181,8 @@ class AttentionLSTMDecoder(nn.Module):
     def use_fast_path(self, mode: FastPath, *, bucket: int = 8) -> None:
         """Teacher forcing over fixed shapes: `compile` (torch.compile, any device), `graphs`
         (torch.compile reduce-overhead: CUDA graphs) or `off` (the shrinking eager loop).
-        Lengths are padded up to a multiple of `bucket` steps: one compiled graph per bucket.
+        Lengths are padded up to a multiple of `bucket` steps: one compiled graph per bucket
+        and mode (training, validation).
         `native`: the eager loop with native CPU kernels (captioning.models.native: attention's
         score and context, the LSTM cell), for decoding steps too; `off` where the scorer has
         none or they cannot be built here."""
@@ -192,8 +194,7 @@ class AttentionLSTMDecoder(nn.Module):
         self.fast_bucket = bucket
         self._fixed = None
         if mode not in ("off", "native"):
-            self._fixed = torch.compile(self.teacher_forced_fixed, dynamic=False,
-                                        mode="reduce-overhead" if mode == "graphs" else None)
+            self._fixed = FixedPass(self.teacher_forced_fixed, graphs=mode == "graphs")
 
     def set_tau(self, tau: float) -> None:
         """Set the Gumbel-softmax temperature τ of the training pass."""
@@ -392,10 +393,12 @@ class AttentionLSTMDecoder(nn.Module):
         B = captions.size(0)
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
         mask = torch.arange(padded, device=steps.device) < steps.unsqueeze(1)  # (B, T')
-        outs = self._fixed(features, tokens, mask, rule, use_expected)
-        # Outputs are cut back to T steps. Graph outputs live in memory the next replay
-        # overwrites: `graphs` hands out copies.
-        cut = [None if x is None else x[:, :T] for x in outs]
+        rows = self._fixed.rows(B, training=self.training)  # a smaller batch: masked rows added
+        outs = self._fixed(*(pad_rows(x, rows) for x in (features, tokens, mask, use_expected)),
+                           rule)
+        # Outputs are cut back to B rows and T steps. Graph outputs live in memory the next
+        # replay overwrites: `graphs` hands out copies.
+        cut = [None if x is None else x[:B, :T] for x in outs]
         if self.fast_path == "graphs":
             cut = [None if x is None else x.clone() for x in cut]
         out = DecoderOutput(*cut)  # type: ignore[arg-type]
@@ -404,7 +407,7 @@ class AttentionLSTMDecoder(nn.Module):
         return out
 
     def teacher_forced_fixed(self, features: Tensor, tokens: Tensor, mask: Tensor,
-                             rule: SelectRule, use_expected: Tensor | None
+                             use_expected: Tensor | None, rule: SelectRule
                              ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """Every caption for all T steps of `tokens` (B, T) with `mask` (B, T) True where a
         word is predicted: logits (B, T, V) and α (B, T, L), zero past each caption's end as in
