@@ -169,6 +169,15 @@ def test_a_smaller_batch_replays_its_buckets_graph(monkeypatch: pytest.MonkeyPat
     with torch.no_grad():
         dec(*small)
     assert counter.frame_count == 2
+    # Hard attention, one semi-sampling coin a batch: the coin, expanded over a full batch,
+    # reaches the pass as a padded one does (strides too): still one graph a mode.
+    torch._dynamo.reset()
+    counter.frame_count = 0
+    dec = decoder("hard", semi_sampling="batch", semi_sampling_prob=0.5)
+    dec.use_fast_path("compile", bucket=8)
+    for lengths in ([4, 7, 2, 7, 5, 3], [6, 3, 5]):
+        loss_and_grads(dec, *batch(lengths))
+    assert counter.frame_count == 1
     torch._dynamo.reset()
 
 

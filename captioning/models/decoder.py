@@ -385,9 +385,7 @@ class AttentionLSTMDecoder(nn.Module):
         assert self._fixed is not None
         T = captions.size(1) - 1
         padded = -(-T // self.fast_bucket) * self.fast_bucket  # T rounded up to the bucket
-        # Contiguous: a slice of a wider batch has other strides, and the compiled pass guards
-        # on strides too (one more compile, and graph, per bucket)
-        tokens = captions[:, :padded].contiguous()
+        tokens = captions[:, :padded]  # made contiguous by pad_rows, as every input
         if tokens.size(1) < padded:  # the pad id never reaches an output: those steps are masked
             tokens = F.pad(tokens, (0, padded - tokens.size(1)))
         B = captions.size(0)

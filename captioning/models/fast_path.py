@@ -71,7 +71,9 @@ class FixedPass:
 
 
 def pad_rows(x: Tensor | None, rows: int) -> Tensor | None:
-    """x (B, ...) followed by rows - B rows of zeros (False, the pad id): (rows, ...)."""
+    """x (B, ...) followed by rows - B rows of zeros (False, the pad id): (rows, ...), and
+    contiguous: the compiled pass guards on strides too (a slice of a wider batch, or the
+    batch-wide coin expanded, would compile its bucket once more)."""
     if x is None or x.size(0) == rows:
-        return x
+        return None if x is None else x.contiguous()
     return torch.cat([x, x.new_zeros(rows - x.size(0), *x.shape[1:])])
