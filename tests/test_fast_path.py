@@ -4,6 +4,7 @@ torch.compile and CUDA graphs. It must give the eager loop's outputs and gradien
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -199,6 +200,25 @@ def test_every_bucket_and_mode_keeps_its_compiled_graph(monkeypatch: pytest.Monk
         dec(*batch([5, 3]))
     assert counter.frame_count == 12 > limit
     assert torch.compiler.config.recompile_limit == limit
+    torch._dynamo.reset()
+
+
+def test_a_fit_on_the_fast_path_compiles_a_graph_a_bucket_and_mode(
+        shapes_dm_kwargs: dict[str, Any], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU test's fit (`test_gpu.check_fit_on_the_fast_path`) on the CPU, compiled: one
+    graph for each mode and bucket it met (the smaller last batch, and no recompile limit,
+    adding none)."""
+    from test_gpu import check_fit_on_the_fast_path
+    from torch._dynamo.testing import CompileCounter
+
+    counter, real = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
+    torch._dynamo.reset()
+    calls = check_fit_on_the_fast_path("cpu", "compile", "32-true", shapes_dm_kwargs, tmp_path,
+                                       monkeypatch)
+    met = set(calls)
+    assert counter.frame_count == len(met) and len({g for g, _ in met}) == 2
     torch._dynamo.reset()
 
 

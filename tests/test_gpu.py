@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -270,6 +271,54 @@ def check_step_timer_reads_the_gpu_timeline(device: str, work: Path) -> None:
         assert summarize_train([res])["wait_on"] == "gpu"
 
 
+def check_fit_on_the_fast_path(device: str, mode: str, precision: str,
+                               shapes_dm_kwargs: dict, tmp_path: Path,
+                               monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, tuple]]:
+    """A Lightning fit on the fast path (`mode`): two epochs of batches of 7 pairs, the last
+    one smaller, with the sanity check and validation (eval mode, inference mode). Every
+    call of the fixed-shape pass after its mode's first ran at that mode's rows, the smaller
+    batch too; the losses are finite. Returns the calls: (grad enabled, tokens' shape)."""
+    import lightning.pytorch as L
+
+    from captioning.models.fast_path import FixedPass
+
+    calls: list[tuple[bool, tuple]] = []
+    call = FixedPass.__call__
+
+    def recorded(self: FixedPass, *args: Any) -> Any:
+        calls.append((torch.is_grad_enabled(), tuple(args[1].shape)))
+        return call(self, *args)
+
+    monkeypatch.setattr(FixedPass, "__call__", recorded)
+    L.seed_everything(0, verbose=False)
+    dm = CaptionDataModule(**{**shapes_dm_kwargs, "batch_size": 7}, feature_cache=False)
+    module = CaptioningModule(vocab_size=dm.vocab_size, net=tiny_net(), fast_path=mode,
+                              fast_bucket=4, compute_metrics=False)
+    losses: list[float] = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                               outputs: Any, batch: Any, batch_idx: int) -> None:
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(max_epochs=2, accelerator=device, devices=1, precision=precision,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[Losses()])
+    dm.setup("fit")
+    sizes = [len(b) for b in dm.train_dataloader().batch_sampler]
+    assert min(sizes) < 7 == max(sizes)  # a smaller last batch
+    trainer.fit(module, datamodule=dm)
+    assert module.captioner.decoder.fast_path == mode
+    assert math.isfinite(float(trainer.callback_metrics["val/loss"]))
+    assert len(losses) == 2 * len(sizes) and all(map(math.isfinite, losses))
+    for grad in (True, False):
+        rows = [shape[0] for g, shape in calls if g == grad]
+        assert rows and set(rows) == {rows[0]}, rows  # the first batch of each mode is full
+    assert sum(g for g, _ in calls) == 2 * len(sizes)  # every training step, on the fast path
+    return calls
+
+
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_bf16_forward_and_backward_are_finite(attention: str) -> None:
     check_bf16_step("cuda", attention)
@@ -283,6 +332,12 @@ def test_fast_path_equals_eager_on_cuda(mode: str, exact_fp32: None) -> None:
 @pytest.mark.parametrize("mode", ["compile", "graphs"])
 def test_fast_path_trains_in_bf16_on_cuda(mode: str) -> None:
     check_fast_path_bf16("cuda", mode)
+
+
+def test_a_fit_on_graphs_replays_a_graph_a_bucket_and_mode(
+        shapes_dm_kwargs: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    check_fit_on_the_fast_path("cuda", "graphs", "bf16-mixed", shapes_dm_kwargs, tmp_path,
+                               monkeypatch)
 
 
 def test_beam_search_on_cuda_equals_cpu(exact_fp32: None) -> None:
