@@ -19,6 +19,8 @@ from captioning.models.fast_path import resolve_fast_path
 from captioning.objectives import MaximumLikelihood
 
 V, D, L = 30, 16, 9
+# torch.compile's settings for the fixed-shape pass: room for a graph a bucket (torch 2.14)
+COMPILED = {"dynamic": False, "mode": None, "recompile_limit": 64, "isolate_recompiles": True}
 
 
 def decoder(attention: str = "soft", **kw: Any) -> AttentionLSTMDecoder:
@@ -91,7 +93,7 @@ def test_fixed_shape_pass_equals_the_eager_loop(eager_compile: list[dict[str, An
     dec.use_fast_path("compile", bucket=bucket)
     fixed = loss_and_grads(dec, feats, caps, lengths, **kw)
     assert_same(dec, eager, fixed)
-    assert eager_compile == [{"dynamic": False, "mode": None}]
+    assert eager_compile == [COMPILED]
     assert eager[0].logits.shape == (6, 6, V)
     assert fixed[0].logits.shape == (6, caps.size(1) - 1, V)  # cut back to the captions' width
     assert (fixed[0].alphas[2, 1:] == 0).all()  # zero past the end, as in the eager loop
@@ -166,10 +168,10 @@ def test_a_smaller_batch_replays_its_buckets_graph(monkeypatch: pytest.MonkeyPat
     assert counter.frame_count == 1
     assert fixed[0].logits.shape[0] == 3
     assert_same(dec, eager, fixed)
-    dec.eval()  # another mode: its own graph, at its own rows
+    dec.eval()  # validation's loss: without gradient, the eager loop, nothing compiled
     with torch.no_grad():
-        dec(*small)
-    assert counter.frame_count == 2
+        torch.testing.assert_close(dec(*small).logits, eager[0].logits)
+    assert counter.frame_count == 1
     # Hard attention, one semi-sampling coin a batch: the coin, expanded over a full batch,
     # reaches the pass as a padded one does (strides too): still one graph a mode.
     torch._dynamo.reset()
@@ -182,33 +184,27 @@ def test_a_smaller_batch_replays_its_buckets_graph(monkeypatch: pytest.MonkeyPat
     torch._dynamo.reset()
 
 
-def test_every_bucket_and_mode_keeps_its_compiled_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """More buckets and modes than dynamo's default recompile limit (8 a function) all stay
-    compiled (past it they would run eagerly), and the limit is put back after each call."""
+def test_every_bucket_keeps_its_compiled_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More buckets than dynamo's default recompile limit (8 a function) all stay compiled:
+    past it they would run eagerly."""
     from torch._dynamo.testing import CompileCounter
 
     counter, real = CompileCounter(), torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
     torch._dynamo.reset()
-    limit = torch.compiler.config.recompile_limit
     dec = decoder("soft")
     dec.use_fast_path("compile", bucket=2)
     for n in range(3, 24, 2):  # 11 buckets
         loss_and_grads(dec, *batch([n, 3]))
-    dec.eval()
-    with torch.no_grad():
-        dec(*batch([5, 3]))
-    assert counter.frame_count == 12 > limit
-    assert torch.compiler.config.recompile_limit == limit
+    assert counter.frame_count == 11 > torch.compiler.config.recompile_limit
     torch._dynamo.reset()
 
 
-def test_a_fit_on_the_fast_path_compiles_a_graph_a_bucket_and_mode(
-        shapes_dm_kwargs: dict[str, Any], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fit_on_the_fast_path_compiles_a_graph_a_bucket(
+        shapes_dm_kwargs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The GPU test's fit (`test_gpu.check_fit_on_the_fast_path`) on the CPU, compiled: one
-    graph for each mode and bucket it met (the smaller last batch, and no recompile limit,
-    adding none)."""
+    graph for each bucket it met, the smaller last batch adding none."""
     from test_gpu import check_fit_on_the_fast_path
     from torch._dynamo.testing import CompileCounter
 
@@ -217,8 +213,7 @@ def test_a_fit_on_the_fast_path_compiles_a_graph_a_bucket_and_mode(
     torch._dynamo.reset()
     calls = check_fit_on_the_fast_path("cpu", "compile", "32-true", shapes_dm_kwargs, tmp_path,
                                        monkeypatch)
-    met = set(calls)
-    assert counter.frame_count == len(met) and len({g for g, _ in met}) == 2
+    assert counter.frame_count == len(set(calls)) > 1
     torch._dynamo.reset()
 
 
@@ -250,7 +245,7 @@ def test_the_module_sets_the_fast_path_up_once(eager_compile: list[dict[str, Any
     module = CaptioningModule(net=net, fast_path="compile", fast_bucket=4)
     module.setup("fit")
     module.setup("validate")  # once only
-    assert eager_compile == [{"dynamic": False, "mode": None}]
+    assert eager_compile == [COMPILED]
     assert module.captioner.decoder.fast_bucket == 4
 
 

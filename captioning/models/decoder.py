@@ -13,8 +13,9 @@ positions only (`captioning.models.packing`), so no work is spent on padding.
 With a fast path (`use_fast_path`) it instead runs every caption for a fixed number of steps
 (the batch's caption width, rounded up to a multiple of `bucket`) and masks the outputs past
 each caption's end: fixed shapes, so that `torch.compile` (`compile`) fuses the whole unrolled pass
-and, on CUDA, `reduce-overhead` (`graphs`) replays it as CUDA graphs, one per bucket and mode
-(a smaller batch is padded with masked rows: `fast_path.FixedPass`).
+and, on CUDA, `reduce-overhead` (`graphs`) replays it as CUDA graphs, one per bucket (a smaller
+batch is padded with masked rows: `fast_path.FixedPass`). A pass without gradient (validation's
+loss, a reference pass) runs the eager loop: the graphs are for training steps.
 
 Hard attention is trained with sampled locations (`hard_estimator: reinforce`, §4.1) or with the
 straight-through Gumbel-softmax (`gumbel`; τ follows the `GumbelSchedule` through `set_tau`,
@@ -181,8 +182,8 @@ class AttentionLSTMDecoder(nn.Module):
     def use_fast_path(self, mode: FastPath, *, bucket: int = 8) -> None:
         """Teacher forcing over fixed shapes: `compile` (torch.compile, any device), `graphs`
         (torch.compile reduce-overhead: CUDA graphs) or `off` (the shrinking eager loop).
-        Lengths are padded up to a multiple of `bucket` steps: one compiled graph per bucket
-        and mode (training, validation).
+        Lengths are padded up to a multiple of `bucket` steps: one compiled graph per bucket.
+        Passes without gradient run the eager loop.
         `native`: the eager loop with native CPU kernels (captioning.models.native: attention's
         score and context, the LSTM cell), for decoding steps too; `off` where the scorer has
         none or they cannot be built here."""
@@ -288,7 +289,7 @@ class AttentionLSTMDecoder(nn.Module):
         """
         steps = (lengths - 1).clamp_min(0)  # words to predict per caption
         rule, semi = self._training_rule() if rule is None else (rule, False)
-        if self._fixed is not None and captions.size(1) > 1:
+        if self._fixed is not None and captions.size(1) > 1 and torch.is_grad_enabled():
             features = features.to(grid_dtype(features.dtype, self.weight_dtype))
             return self._forward_fixed(features, captions, steps, rule, semi)
         steps_cpu = steps.tolist()
@@ -408,8 +409,9 @@ class AttentionLSTMDecoder(nn.Module):
                              use_expected: Tensor | None, rule: SelectRule
                              ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """Every caption for all T steps of `tokens` (B, T) with `mask` (B, T) True where a
-        word is predicted: logits (B, T, V) and α (B, T, L), zero past each caption's end as in
-        `forward`, then log p(s_t) and H[α_t] (B, T) for the sampling rules. Fixed shapes."""
+        word is predicted, `use_expected` (B,) or None as `_advance` takes it: logits (B, T, V)
+        and α (B, T, L), zero past each caption's end as in `forward`, then log p(s_t) and
+        H[α_t] (B, T) for the sampling rules. Fixed shapes."""
         memory = Memory(features, self.attention.project(features))  # compiled: no host read
         state = self.init_state(memory)
         h, c = state.h, state.c

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -39,35 +40,42 @@ def resolve_fast_path(setting: str, device: torch.device, attention: str = "soft
     return setting  # type: ignore[return-value]
 
 
-# Compiled graphs the fixed-shape pass may hold: one per length bucket and mode (training,
-# validation). Dynamo's default limit, 8 a function, is below that for COCO's 50-word captions
-# at bucket 8 (7 buckets, 2 modes), and past it every further bucket runs eagerly, unrolled.
+# Compiled graphs the fixed-shape pass may hold: one per length bucket. Dynamo's default, 8 a
+# function, holds COCO's 7 buckets (50-word captions at `fast_bucket` 8) but not a smaller
+# bucket's; past it every further bucket would run eagerly, unrolled.
 GRAPH_ROOM = 64
+
+
+def _compile_options() -> dict[str, Any]:
+    """`torch.compile`'s own recompile limit where it takes one (torch 2.14 does): room for
+    `GRAPH_ROOM` graphs, counted for this pass alone. Older versions keep dynamo's default."""
+    taken = inspect.signature(torch.compile).parameters
+    if "recompile_limit" not in taken or "isolate_recompiles" not in taken:
+        return {}
+    return {"recompile_limit": GRAPH_ROOM, "isolate_recompiles": True}
+
+
+COMPILE_OPTIONS = _compile_options()  # read once, from torch's own signature
 
 
 class FixedPass:
     """The teacher-forced pass compiled over fixed shapes (`graphs`: as CUDA graphs), called
-    with a batch's rows padded up to the most its mode has had (`rows`), so that an epoch's
-    smaller last batch replays its bucket's graph instead of compiling one more."""
+    with a batch's rows padded up to the most its mode (training or not) has had (`rows`, which
+    only grows), so that an epoch's smaller last batch replays its bucket's graph instead of
+    compiling one more."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor | None, ...]], *, graphs: bool) -> None:
-        self.fn = torch.compile(fn, dynamic=False, mode="reduce-overhead" if graphs else None)
-        self.most: dict[tuple[bool, bool], int] = {}  # (training, grad): rows
+        self.fn = torch.compile(fn, dynamic=False, mode="reduce-overhead" if graphs else None,
+                                **COMPILE_OPTIONS)
+        self.most: dict[bool, int] = {}  # training: rows
 
     def rows(self, batch: int, *, training: bool) -> int:
         """The rows to run a batch of `batch` at: the most seen in this mode, this one too."""
-        key = (training, torch.is_grad_enabled())
-        self.most[key] = rows = max(batch, self.most.get(key, 0))
+        self.most[training] = rows = max(batch, self.most.get(training, 0))
         return rows
 
     def __call__(self, *args: Any) -> tuple[Tensor | None, ...]:
-        config = torch.compiler.config  # set and put back by hand: `patch` costs 2x (~25 µs)
-        limit = config.recompile_limit
-        config.recompile_limit = max(GRAPH_ROOM, limit)
-        try:
-            return self.fn(*args)
-        finally:
-            config.recompile_limit = limit
+        return self.fn(*args)
 
 
 def pad_rows(x: Tensor | None, rows: int) -> Tensor | None:
