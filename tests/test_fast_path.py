@@ -211,8 +211,8 @@ def test_a_fit_on_the_fast_path_compiles_a_graph_a_bucket(
     counter, real = CompileCounter(), torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
     torch._dynamo.reset()
-    calls = check_fit_on_the_fast_path("cpu", "compile", "32-true", shapes_dm_kwargs, tmp_path,
-                                       monkeypatch)
+    calls = check_fit_on_the_fast_path("cpu", "compile", "32-true", 4, shapes_dm_kwargs,
+                                       tmp_path, monkeypatch)
     assert counter.frame_count == len(set(calls)) > 1
     torch._dynamo.reset()
 

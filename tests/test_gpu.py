@@ -271,11 +271,11 @@ def check_step_timer_reads_the_gpu_timeline(device: str, work: Path) -> None:
         assert summarize_train([res])["wait_on"] == "gpu"
 
 
-def check_fit_on_the_fast_path(device: str, mode: str, precision: str,
+def check_fit_on_the_fast_path(device: str, mode: str, precision: str, bucket: int,
                                shapes_dm_kwargs: dict[str, Any], tmp_path: Path,
                                monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """A Lightning fit on the fast path (`mode`): two epochs of batches of 7 pairs, the last
-    one smaller, with the sanity check and validation. Every training step ran the fixed-shape
+    """A Lightning fit on the fast path (`mode`, `bucket`): two epochs of batches of 7 pairs,
+    the last one smaller, with the sanity check and validation. Every training step ran the fixed-shape
     pass, from the first full batch on at that batch's rows, the smaller batch too; validation
     ran none (its loss has no gradient: the eager loop); the losses are finite. Returns the
     shapes of the pass's tokens, call by call."""
@@ -304,7 +304,7 @@ def check_fit_on_the_fast_path(device: str, mode: str, precision: str,
         L.seed_everything(0, verbose=False)
         dm = CaptionDataModule(**{**shapes_dm_kwargs, "batch_size": 7}, feature_cache=False)
         module = CaptioningModule(vocab_size=dm.vocab_size, net=tiny_net(), fast_path=mode,
-                                  fast_bucket=4, compute_metrics=False)
+                                  fast_bucket=bucket, compute_metrics=False)
         trainer = L.Trainer(max_epochs=2, accelerator=device, devices=1, precision=precision,
                             logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
@@ -342,7 +342,8 @@ def test_fast_path_trains_in_bf16_on_cuda(mode: str) -> None:
 def test_a_fit_on_graphs_replays_a_graph_a_bucket(
         shapes_dm_kwargs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    check_fit_on_the_fast_path("cuda", "graphs", "bf16-mixed", shapes_dm_kwargs, tmp_path,
+    # One bucket (the shapes captions are shorter): one compile and recording, in little time
+    check_fit_on_the_fast_path("cuda", "graphs", "bf16-mixed", 32, shapes_dm_kwargs, tmp_path,
                                monkeypatch)
 
 
