@@ -8,6 +8,7 @@ import json
 import random
 import re
 import shlex
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -348,7 +349,8 @@ def _draw_folder(root: Path, n: int = 24) -> None:
 @pytest.mark.usefixtures("signal_handlers_restored")
 def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
                                             monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+                                            capsys: pytest.CaptureFixture[str],
+                                            caplog: pytest.LogCaptureFixture) -> None:
     scored: list[Any] = []
 
     def scores(references: dict, hypotheses: dict, **kwargs: Any) -> dict[str, float]:
@@ -413,6 +415,23 @@ def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
                 if ln.startswith("error:")] == [refusal]
     assert main(["test", *configs, "--ckpt_path", str(tmp_path / "today"),
                  "--model.compute_metrics", "true"]) == 0
+    # A folder exported before config.json had trained_on: nothing to check it by, said so.
+    unknown = tmp_path / "unknown"
+    shutil.copytree(tmp_path / "today", unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    del config["trained_on"]
+    (unknown / "config.json").write_text(json.dumps(config))
+    warning = (f"{unknown} records no data source (exported before config.json had "
+               "trained_on): whether the val/test images carved now include images its run "
+               "trained on cannot be checked")
+    for how in (["test", *configs, "--ckpt_path", str(unknown)],
+                ["fit", *configs, "--model.init_from", str(unknown), "--trainer.max_steps", "1",
+                 "--trainer.default_root_dir", str(tmp_path / "stage4")]):
+        caplog.clear()
+        assert main(how) == 0
+        assert [r.getMessage() for r in caplog.records
+                if r.levelname == "WARNING" and "records no data source" in r.getMessage()
+                ] == [warning]
 
 
 def test_every_problem_of_the_data_is_listed_at_once(tmp_path: Path) -> None:
