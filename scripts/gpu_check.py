@@ -32,7 +32,8 @@ Stages (rows of the table):
 * `profile`: the headline setting's eager and fast-path steps under `torch.profiler`
   (10 steps each): the GPU's busy time a step (its kernels' and copies' spans, overlaps
   counted once) against the step's period, and the top host ops. Busy time well below the
-  period says the GPU waited for the host within the step;
+  period says the GPU waited for the host within the step. Then the fast path's host time
+  by source file, under cProfile (its own 10 steps): where that host time goes;
 * `ddp`: with 2 or more GPUs, cached training on all of them (DDP, bf16-mixed, batch 64 per
   GPU) and its scaling efficiency: global pairs/s / (GPUs x one GPU's pairs/s).
 
@@ -213,11 +214,17 @@ def headline(check: Check) -> tuple[str, tuple[str, int]]:
     return "graphs", ("bf16-mixed", check.base["batch_size"])
 
 
+def clip(text: str, n: int = 48) -> str:
+    """`text`'s last `n` characters, "…" first where it was longer."""
+    return text if len(text) <= n else "…" + text[-(n - 1):]
+
+
 def stage_profile(check: Check) -> None:
     """The headline setting's eager and fast-path steps under torch.profiler: the GPU's busy
     time a step (the union of its kernels' and copies' spans) against the step's period on
     the GPU timeline, and the top host ops. Busy well below the period: the GPU waited for
-    the host (launches, Python, the loop) within the step."""
+    the host (launches, Python, the loop) within the step. A last row: the fast path's
+    Python time by source file (cProfile, a run of its own)."""
     mode, (precision, batch) = headline(check)
     for path in ("off", mode):
         config = f"cached, {precision}, batch {batch}, fast_path {path}, profiled"
@@ -236,6 +243,21 @@ def stage_profile(check: Check) -> None:
                   if busy is not None else f"{period:.1f} ms a step", step_ms=f"{period:.0f}",
                   notes=f"{PROFILE_STEPS} steps; top host ops, self ms a step: {top}; "
                         "the profiler slows the host")
+    # Then the fast path's host time by source file (cProfile): the CUDA-graph trees' own
+    # bookkeeping, AOTAutograd's, Lightning's loop, the optimiser, this package
+    config = f"cached, {precision}, batch {batch}, fast_path {mode}, Python profiled"
+    spec = check.train_spec(precision, batch, fast_path=mode, python_profile=True,
+                            sample_gpu=False, steps=PROFILE_STEPS,
+                            warmup=max(check.base["warmup"], PROFILE_WARMUP))
+    res = attempt(check, "profile", config, lambda: check.run(spec))
+    if res:
+        period = summarize_train([res])["step_ms"]
+        files = res["python_by_file"]
+        top = ", ".join(f"{clip(r['where'])} {r['self_ms']:.2f}" for r in files[:6])
+        check.add("profile", config, f"{sum(r['self_ms'] for r in files):.1f} ms in the top "
+                  f"{len(files)} files of {period:.1f} ms a step", step_ms=f"{period:.0f}",
+                  notes=f"{PROFILE_STEPS} steps; Python self ms a step by file: {top}; "
+                        "cProfile slows the host")
 
 
 def stage_train(check: Check) -> None:

@@ -217,6 +217,28 @@ def test_summary_of_gpu_timeline_periods_and_of_host_steps() -> None:
     assert abs(s["wait"] - 0.25) < 1e-12
 
 
+def test_python_time_is_summed_by_source_file() -> None:
+    """`self_time_by_file` (the Python-profiled row of `make gpu-check`): cProfile's entries
+    summed by file from the package down, C functions by name, the most first, ms a step."""
+    from bench.probes import self_time_by_file, source_name
+
+    site = "/venv/lib/python3.11/site-packages/"
+    stats = {(site + "torch/_inductor/cudagraph_trees.py", 1264, "run"): (10, 10, 0.030, 0.5),
+             (site + "torch/_inductor/cudagraph_trees.py", 1285, "reconstruct_outputs"):
+                 (10, 10, 0.010, 0.01),
+             ("/work/main/captioning/models/decoder.py", 380, "_forward_fixed"):
+                 (10, 10, 0.004, 0.6),
+             ("~", 0, "<built-in method torch.cat>"): (20, 20, 0.006, 0.006)}
+    rows = self_time_by_file(stats, steps=10)
+    assert [(r["where"], round(r["self_ms"], 6)) for r in rows] == [
+        ("torch/_inductor/cudagraph_trees.py", 4.0), ("<built-in method torch.cat>", 0.6),
+        ("captioning/models/decoder.py", 0.4)]
+    assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-12
+    assert self_time_by_file(stats, steps=10, n=1)[0]["share"] == pytest.approx(0.8)
+    assert source_name("/srv/x/scripts/bench/probes.py") == "scripts/bench/probes.py"
+    assert source_name("<frozen runpy>") == "<frozen runpy>"
+
+
 def test_the_gpus_busy_time_is_the_union_of_its_events_spans() -> None:
     """`device_busy_us` (the profile rows of `make gpu-check`): the device events' spans, work
     on overlapping streams counted once, host events left out."""

@@ -61,10 +61,15 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     # The headline setting profiled, eager and the fast path (no GPU busy time on the CPU)
     assert [r["config"] for r in by_stage["profile"]] == [
         "cached, 32-true, batch 4, fast_path off, profiled",
-        "cached, 32-true, batch 4, fast_path compile, profiled"]
-    for r in by_stage["profile"]:
+        "cached, 32-true, batch 4, fast_path compile, profiled",
+        "cached, 32-true, batch 4, fast_path compile, Python profiled"]
+    for r in by_stage["profile"][:2]:
         assert r["result"].endswith(" ms a step"), r
         assert "top host ops, self ms a step: " in r["notes"], r
+    python = by_stage["profile"][2]  # the fast path's host time by file (torch's own too)
+    assert " ms in the top 12 files of " in python["result"], python
+    assert "Python self ms a step by file: " in python["notes"], python
+    assert "torch/_dynamo/" in python["notes"], python  # the compiled pass's own frame
     assert by_stage["ddp"][0]["config"].startswith("2 processes")
     assert "scaling efficiency" in by_stage["ddp"][0]["notes"]
     for r in rows:

@@ -1,5 +1,5 @@
-"""Probes of a training run: the step timer, GPU utilisation, FLOP counts, the profiler, peak
-memory and the machine's matmul rate."""
+"""Probes of a training run: the step timer, GPU utilisation, FLOP counts, the profilers
+(torch's, and cProfile's Python time by file), peak memory and the machine's matmul rate."""
 
 from __future__ import annotations
 
@@ -263,6 +263,64 @@ def profiler(spec: dict[str, Any]) -> Any:
                     "device_busy_ms": None if busy is None else busy / 1e3 / spec["steps"]}
 
     return Profile()
+
+
+def python_profiler(spec: dict[str, Any]) -> Any:
+    """A callback running cProfile over the steps after `spec["warmup"]` (the main process's
+    Python, and the C functions it calls); `result` gives their self time a step by source file
+    (`python_by_file`, the most first). Apart from `profiler`: each slows the other."""
+    import cProfile
+    import pstats
+
+    import lightning.pytorch as L
+
+    class PythonProfile(L.Callback):
+        def __init__(self) -> None:
+            self.i, self.prof = 0, cProfile.Profile()
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                                 batch_idx: int) -> None:
+            if self.i == spec["warmup"]:
+                self.prof.enable()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            self.i += 1
+            if self.i == spec["warmup"] + spec["steps"]:
+                self.prof.disable()
+
+        def result(self) -> dict[str, Any]:
+            stats = pstats.Stats(self.prof).stats  # type: ignore[attr-defined]
+            return {"python_by_file": self_time_by_file(stats, spec["steps"])}
+
+    return PythonProfile()
+
+
+def self_time_by_file(stats: dict[tuple[str, int, str], tuple], steps: int,
+                      n: int = 12) -> list[dict[str, Any]]:
+    """cProfile's entries ({(file, line, function): (calls, ..., self s, ...)}) summed by where
+    they run: a Python file from its package down (`torch/_inductor/cudagraph_trees.py`), or a
+    C function by name (cProfile's file "~"); the `n` with the most self time, ms a step."""
+    totals: dict[str, float] = {}
+    for (file, _, function), entry in stats.items():
+        where = function if file == "~" else source_name(file)
+        totals[where] = totals.get(where, 0.0) + entry[2]
+    whole = sum(totals.values()) or 1.0
+    return [{"where": k, "self_ms": v * 1e3 / steps, "share": v / whole}
+            for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def source_name(file: str) -> str:
+    """A source file's path from its package down: after `site-packages/`, else from the
+    checkout's `captioning/`, `scripts/` or `tests/`, else as given."""
+    path = file.replace("\\", "/")
+    for mark in ("site-packages/", "dist-packages/"):
+        if mark in path:
+            return path.rsplit(mark, 1)[1]
+    for top in ("captioning/", "scripts/", "tests/"):
+        if f"/{top}" in path:
+            return top + path.rsplit(f"/{top}", 1)[1]
+    return path
 
 
 def device_busy_us(events: Any) -> float:

@@ -16,6 +16,7 @@ from bench.probes import (
     onednn_flop_formulas,
     peak_memory_mb,
     profiler,
+    python_profiler,
     step_timer,
 )
 
@@ -88,7 +89,8 @@ def attach_cache(module: Any, dm: Any, device: str) -> None:
 def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
     """Train `warmup + steps` steps through Lightning; time the last `steps`. Optional spec
     keys: `devices` (> 1: DDP), `sample_gpu` (mean GPU utilisation over the timed steps),
-    `count_flops` (FLOPs of the timed steps), `profile` (top ops of the timed steps)."""
+    `count_flops` (FLOPs of the timed steps), `profile` (top ops of the timed steps),
+    `python_profile` (cProfile's self time of the timed steps, by source file)."""
     import lightning.pytorch as L
     import torch
 
@@ -104,7 +106,8 @@ def worker_train(spec: dict[str, Any]) -> dict[str, Any]:
         notes.append(f"cache of {n} train images: {time.perf_counter() - t0:.0f} s")
     timer = step_timer(spec)
     probes = ([flop_counter(spec["warmup"])] if spec.get("count_flops") else []) + \
-        ([profiler(spec)] if spec.get("profile") else [])
+        ([profiler(spec)] if spec.get("profile") else []) + \
+        ([python_profiler(spec)] if spec.get("python_profile") else [])
     devices = int(spec.get("devices", 1))
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=devices,
                         strategy="ddp" if devices > 1 else "auto", precision=spec["precision"],
