@@ -257,7 +257,8 @@ def stage_profile(check: Check) -> None:
         check.add("profile", config, f"{sum(r['self_ms'] for r in files):.1f} ms in the top "
                   f"{len(files)} files of {period:.1f} ms a step", step_ms=f"{period:.0f}",
                   notes=f"{PROFILE_STEPS} steps; Python self ms a step by file: {top}; "
-                        "cProfile slows the host")
+                        "backward on the training thread; cProfile slows the host",
+                  python_by_file=files)  # all of them, in the JSON
 
 
 def stage_train(check: Check) -> None:

@@ -237,6 +237,8 @@ def test_python_time_is_summed_by_source_file() -> None:
     assert self_time_by_file(stats, steps=10, n=1)[0]["share"] == pytest.approx(0.8)
     assert source_name("/srv/x/scripts/bench/probes.py") == "scripts/bench/probes.py"
     assert source_name("<frozen runpy>") == "<frozen runpy>"
+    assert source_name("/tmp/torchinductor_root/ab/cabc12.py") == "(Inductor's generated code)"
+    assert source_name("<eval_with_key>.17") == "(FX's generated code)"
 
 
 def test_the_gpus_busy_time_is_the_union_of_its_events_spans() -> None:

@@ -57,8 +57,8 @@ def test_caption_gives_the_old_captions(tmp_path: Path,
     assert [g["score"] for g in got] == pytest.approx([w["score"] for w in want], abs=1e-4)
 
 
-def test_test_command_gives_the_old_metrics(tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_test_command_gives_the_old_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           caplog: pytest.LogCaptureFixture) -> None:
     root = generate_shapes(tmp_path / "shapes", num_train=16, num_val=4, num_test=4,
                            image_size=64, seed=0)
     trainer = tmp_path / "trainer.yaml"
@@ -113,3 +113,7 @@ def test_test_command_gives_the_old_metrics(tmp_path: Path,
     got = json.loads((tmp_path / "folder_results" / "test_metrics.json").read_text())
     got.pop("images")
     assert got == pytest.approx(want, abs=1e-6)
+    # It records no data source (no trained_on), but the shapes splits are the source's own,
+    # not carved: nothing to warn about
+    assert "trained_on" not in config
+    assert not [r for r in caplog.records if "records no data source" in r.getMessage()]

@@ -173,7 +173,7 @@ def test_a_smaller_batch_replays_its_buckets_graph(monkeypatch: pytest.MonkeyPat
         torch.testing.assert_close(dec(*small).logits, eager[0].logits)
     assert counter.frame_count == 1
     # Hard attention, one semi-sampling coin a batch: the coin, expanded over a full batch,
-    # reaches the pass as a padded one does (strides too): still one graph a mode.
+    # reaches the pass as a padded one does (strides too): still one graph.
     torch._dynamo.reset()
     counter.frame_count = 0
     dec = decoder("hard", semi_sampling="batch", semi_sampling_prob=0.5)

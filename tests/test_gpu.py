@@ -342,7 +342,7 @@ def test_fast_path_trains_in_bf16_on_cuda(mode: str) -> None:
 def test_a_fit_on_graphs_replays_a_graph_a_bucket(
         shapes_dm_kwargs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # One bucket (the shapes captions are shorter): one compile and recording, in little time
+    # One bucket (the shapes captions are shorter): few compiles and recordings, little time
     check_fit_on_the_fast_path("cuda", "graphs", "bf16-mixed", 32, shapes_dm_kwargs, tmp_path,
                                monkeypatch)
 

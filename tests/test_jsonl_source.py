@@ -421,9 +421,9 @@ def test_fit_and_test_on_a_folder_of_images(tmp_path: Path, cache_dir: Path,
     config = json.loads((unknown / "config.json").read_text())
     del config["trained_on"]
     (unknown / "config.json").write_text(json.dumps(config))
-    warning = (f"{unknown} records no data source (exported before config.json had "
-               "trained_on): whether the val/test images carved now include images its run "
-               "trained on cannot be checked")
+    warning = (f"{unknown} records no data source (its config.json has no trained_on): "
+               "whether the val/test images carved now include images its run trained on "
+               "cannot be checked")
     for how in (["test", *configs, "--ckpt_path", str(unknown)],
                 ["fit", *configs, "--model.init_from", str(unknown), "--trainer.max_steps", "1",
                  "--trainer.default_root_dir", str(tmp_path / "stage4")]):

@@ -356,10 +356,11 @@ class CaptioningCLI(LightningCLI):
         carving = getattr(self, "_init_carving", None)  # a folder's path: no source recorded
         if carving:
             self.datamodule.records("train")
-        if isinstance(carving, str) and self.datamodule.carved:
-            log.warning("%s records no data source (exported before config.json had "
-                        "trained_on): whether the %s images carved now include images its run "
-                        "trained on cannot be checked", carving, "/".join(self.datamodule.carved))
+        if isinstance(carving, str):
+            if self.datamodule.carved:
+                log.warning("%s records no data source (its config.json has no trained_on): "
+                            "whether the %s images carved now include images its run trained "
+                            "on cannot be checked", carving, "/".join(self.datamodule.carved))
         elif carving:
             check_carving(carving, self.datamodule)
         loaded = getattr(self, "_init_from", None)

@@ -266,30 +266,43 @@ def profiler(spec: dict[str, Any]) -> Any:
 
 
 def python_profiler(spec: dict[str, Any]) -> Any:
-    """A callback running cProfile over the steps after `spec["warmup"]` (the main process's
+    """A callback running cProfile over the steps after `spec["warmup"]` (the training thread's
     Python, and the C functions it calls); `result` gives their self time a step by source file
-    (`python_by_file`, the most first). Apart from `profiler`: each slows the other."""
+    (`python_by_file`, the most first). cProfile sees one thread, so autograd runs backward on
+    that thread meanwhile (on CUDA it has a thread of its own). Apart from `profiler`: each
+    slows the other."""
+    import contextlib
     import cProfile
     import pstats
 
     import lightning.pytorch as L
+    import torch
 
     class PythonProfile(L.Callback):
         def __init__(self) -> None:
-            self.i, self.prof = 0, cProfile.Profile()
+            self.i, self.prof, self.ran = 0, cProfile.Profile(), False
+            self.window = contextlib.ExitStack()
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                                  batch_idx: int) -> None:
             if self.i == spec["warmup"]:
+                self.window.enter_context(torch.autograd.set_multithreading_enabled(False))
                 self.prof.enable()
+                self.ran = True
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
             self.i += 1
             if self.i == spec["warmup"] + spec["steps"]:
-                self.prof.disable()
+                self.teardown(trainer, pl_module, "fit")
+
+        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            self.prof.disable()  # also when the run stops inside the window
+            self.window.close()
 
         def result(self) -> dict[str, Any]:
+            if not self.ran:
+                return {"python_by_file": []}
             stats = pstats.Stats(self.prof).stats  # type: ignore[attr-defined]
             return {"python_by_file": self_time_by_file(stats, spec["steps"])}
 
@@ -312,8 +325,13 @@ def self_time_by_file(stats: dict[tuple[str, int, str], tuple], steps: int,
 
 def source_name(file: str) -> str:
     """A source file's path from its package down: after `site-packages/`, else from the
-    checkout's `captioning/`, `scripts/` or `tests/`, else as given."""
+    checkout's `captioning/`, `scripts/` or `tests/`, else as given; code that Inductor and FX
+    write is one name each."""
     path = file.replace("\\", "/")
+    if "/torchinductor_" in path:
+        return "(Inductor's generated code)"
+    if path.startswith("<eval_with_key>"):
+        return "(FX's generated code)"
     for mark in ("site-packages/", "dist-packages/"):
         if mark in path:
             return path.rsplit(mark, 1)[1]
