@@ -54,6 +54,19 @@ def eager_compile(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, An
     yield calls
 
 
+@pytest.fixture
+def counted_compile(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """torch.compile with Dynamo's counting backend (the graphs run as traced, uncompiled): its
+    `frame_count` is the graphs compiled. Dynamo is reset before and after."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter, real = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()
+
+
 def loss_and_grads(dec: AttentionLSTMDecoder, feats: Tensor, caps: Tensor, lengths: Tensor,
                    **kw: Any) -> tuple[Any, dict[str, Tensor]]:
     dec.zero_grad()
@@ -133,32 +146,20 @@ def test_compiled_pass_equals_the_eager_loop_on_the_cpu() -> None:
     assert_same(dec, eager, again)
 
 
-def test_one_compile_covers_a_bucket_whatever_the_batchs_width(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_compile_covers_a_bucket_whatever_the_batchs_width(counted_compile: Any) -> None:
     """Batches of one bucket compile once: captions cut from a wider batch (other strides)
     and captions padded up to the bucket reach the compiled pass alike."""
-    from torch._dynamo.testing import CompileCounter
-
-    counter, real = CompileCounter(), torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter,
-                                                                dynamic=False))
-    torch._dynamo.reset()
     dec = decoder("soft")
     dec.use_fast_path("compile", bucket=4)
     for lengths in ([5, 3], [6, 3], [7, 3]):  # widths 7, 8, 9: 6, 7, 8 steps, one bucket
         loss_and_grads(dec, *batch(lengths))
-    assert counter.frame_count == 1
-    torch._dynamo.reset()
+    assert counted_compile.frame_count == 1
 
 
-def test_a_smaller_batch_replays_its_buckets_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An epoch's smaller last batch runs at its mode's most rows, the extra rows masked: no
+def test_a_smaller_batch_replays_its_buckets_graph(counted_compile: Any) -> None:
+    """An epoch's smaller last batch runs at the most rows seen, the extra rows masked: no
     compile of its own, and the eager loop's outputs and gradients for its own rows."""
-    from torch._dynamo.testing import CompileCounter
-
-    counter, real = CompileCounter(), torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
-    torch._dynamo.reset()
+    counter = counted_compile
     dec = decoder("soft")
     small = batch([6, 3, 5])
     eager = loss_and_grads(dec, *small)
@@ -181,40 +182,28 @@ def test_a_smaller_batch_replays_its_buckets_graph(monkeypatch: pytest.MonkeyPat
     for lengths in ([4, 7, 2, 7, 5, 3], [6, 3, 5]):
         loss_and_grads(dec, *batch(lengths))
     assert counter.frame_count == 1
-    torch._dynamo.reset()
 
 
-def test_every_bucket_keeps_its_compiled_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_bucket_keeps_its_compiled_graph(counted_compile: Any) -> None:
     """More buckets than dynamo's default recompile limit (8 a function) all stay compiled:
     past it they would run eagerly."""
-    from torch._dynamo.testing import CompileCounter
-
-    counter, real = CompileCounter(), torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
-    torch._dynamo.reset()
     dec = decoder("soft")
     dec.use_fast_path("compile", bucket=2)
     for n in range(3, 24, 2):  # 11 buckets
         loss_and_grads(dec, *batch([n, 3]))
-    assert counter.frame_count == 11 > torch.compiler.config.recompile_limit
-    torch._dynamo.reset()
+    assert counted_compile.frame_count == 11 > torch.compiler.config.recompile_limit
 
 
 def test_a_fit_on_the_fast_path_compiles_a_graph_a_bucket(
-        shapes_dm_kwargs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+        shapes_dm_kwargs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        counted_compile: Any) -> None:
     """The GPU test's fit (`test_gpu.check_fit_on_the_fast_path`) on the CPU, compiled: one
     graph for each bucket it met, the smaller last batch adding none."""
     from test_gpu import check_fit_on_the_fast_path
-    from torch._dynamo.testing import CompileCounter
 
-    counter, real = CompileCounter(), torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
-    torch._dynamo.reset()
     calls = check_fit_on_the_fast_path("cpu", "compile", "32-true", 4, shapes_dm_kwargs,
                                        tmp_path, monkeypatch)
-    assert counter.frame_count == len(set(calls)) > 1
-    torch._dynamo.reset()
+    assert counted_compile.frame_count == len(set(calls)) > 1
 
 
 def test_fast_path_settings() -> None:

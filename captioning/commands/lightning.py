@@ -240,7 +240,7 @@ class CaptioningCLI(LightningCLI):
         except PretrainedError as e:
             raise CheckpointError(str(e)) from None
         if sub in ("validate", "test"):  # scores on carved splits: its run's rule, checked
-            self._init_carving = carving_record(self._model_folder.trained_on) or str(folder)
+            self._init_carving = carving_record(self._model_folder.trained_on, str(folder))
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
         if not given(raw, "data.vocab_path"):
             self.config[sub]["data"]["vocab_path"] = str(folder / VOCAB_FILE)
@@ -331,7 +331,7 @@ class CaptioningCLI(LightningCLI):
         data = {} if Path(path).is_dir() else read_checkpoint(path, mmap=True)
         hp = read_config(Path(path) / CONFIG_FILE)[2] if Path(path).is_dir() else \
             upgrade_hparams(data.get("hyper_parameters") or {})
-        self._init_carving = (carving_record(loaded.captioner.trained_on) or str(path)) \
+        self._init_carving = carving_record(loaded.captioner.trained_on, str(path)) \
             if Path(path).is_dir() else \
             {k: data[k] for k in ("datamodule_hyper_parameters", CARVING_KEY) if k in data}
         raw = list(sys.argv[1:] if self._raw_args is None else self._raw_args)
@@ -351,18 +351,10 @@ class CaptioningCLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         """`model.init_from`: the checkpoint's weights into the built model (see above). The
         carving of the run behind `init_from`'s weights or an exported folder's is checked
-        against this data, once it is read (a checkpoint's own: as it loads); a folder that
-        records no source is warned about."""
-        carving = getattr(self, "_init_carving", None)  # a folder's path: no source recorded
-        if carving:
+        against this data, once it is read (a checkpoint's own: as it loads)."""
+        if getattr(self, "_init_carving", None):
             self.datamodule.records("train")
-        if isinstance(carving, str):
-            if self.datamodule.carved:
-                log.warning("%s records no data source (its config.json has no trained_on): "
-                            "whether the %s images carved now include images its run trained "
-                            "on cannot be checked", carving, "/".join(self.datamodule.carved))
-        elif carving:
-            check_carving(carving, self.datamodule)
+            check_carving(self._init_carving, self.datamodule)
         loaded = getattr(self, "_init_from", None)
         if loaded is None:
             return

@@ -5,6 +5,7 @@ that a later run never evaluates it on images it trained on (`carving_problem`).
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -23,6 +24,8 @@ class Described(Protocol):
 #: a checkpoint whose run carved the same source another way is refused (`carving_problem`).
 CARVING = 2
 CARVING_KEY = "captioning_carving"  # where a checkpoint records it
+UNRECORDED_KEY = "unrecorded_folder"  # `carving_record` of a folder that names no source
+log = logging.getLogger(__name__)
 
 
 def carve_rank(image_id: Any) -> tuple[bytes, str]:
@@ -66,18 +69,26 @@ def carving_problem(saved: Mapping[str, Any] | None, rule: Any, source: Describe
 
 def check_carving(checkpoint: Mapping[str, Any], datamodule: Any) -> None:
     """Raise `carving_problem` (DataError) for a data module (one with `source` and `carved`)
-    about to be used with a checkpoint (a Lightning one records its data module's settings)."""
+    about to be used with a checkpoint (a Lightning one records its data module's settings).
+    A folder's record without a source (`UNRECORDED_KEY`) cannot be checked: a warning."""
     source, carved = getattr(datamodule, "source", None), getattr(datamodule, "carved", ())
+    if UNRECORDED_KEY in checkpoint:
+        if carved:
+            log.warning("%s records no data source (its config.json has no trained_on): "
+                        "whether the %s images carved now include images its run trained "
+                        "on cannot be checked", checkpoint[UNRECORDED_KEY], "/".join(carved))
+        return
     problem = None if source is None else carving_problem(
         checkpoint.get("datamodule_hyper_parameters"), checkpoint.get(CARVING_KEY), source, carved)
     if problem is not None:
         raise DataError([problem])
 
 
-def carving_record(trained_on: Mapping[str, Any]) -> dict[str, Any]:
+def carving_record(trained_on: Mapping[str, Any], folder: str) -> dict[str, Any]:
     """An exported folder's `trained_on` ({"source": ..., "carving": ...}) as the checkpoint
-    keys `check_carving` reads; {} where the folder records no source."""
+    keys `check_carving` reads; where it records no source, the folder under
+    `UNRECORDED_KEY`."""
     if not isinstance(trained_on, Mapping) or not trained_on.get("source"):
-        return {}
+        return {UNRECORDED_KEY: folder}
     return {"datamodule_hyper_parameters": {"source": trained_on["source"]},
             CARVING_KEY: trained_on.get("carving")}

@@ -392,7 +392,7 @@ class AttentionLSTMDecoder(nn.Module):
         B = captions.size(0)
         use_expected = self._semi_sampling_coin(B, features.device) if semi else None
         mask = torch.arange(padded, device=steps.device) < steps.unsqueeze(1)  # (B, T')
-        rows = self._fixed.rows(B, training=self.training)  # a smaller batch: masked rows added
+        rows = self._fixed.rows(B)  # a smaller batch: masked rows added
         outs = self._fixed(*(pad_rows(x, rows) for x in (features, tokens, mask, use_expected)),
                            rule)
         # Outputs are cut back to B rows and T steps. Graph outputs live in memory the next

@@ -60,19 +60,18 @@ COMPILE_OPTIONS = _compile_options()  # read once, from torch's own signature
 
 class FixedPass:
     """The teacher-forced pass compiled over fixed shapes (`graphs`: as CUDA graphs), called
-    with a batch's rows padded up to the most its mode (training or not) has had (`rows`, which
-    only grows), so that an epoch's smaller last batch replays its bucket's graph instead of
-    compiling one more."""
+    with a batch's rows padded up to the most it has had (`rows`, which only grows), so that an
+    epoch's smaller last batch replays its bucket's graph instead of compiling one more."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor | None, ...]], *, graphs: bool) -> None:
         self.fn = torch.compile(fn, dynamic=False, mode="reduce-overhead" if graphs else None,
                                 **COMPILE_OPTIONS)
-        self.most: dict[bool, int] = {}  # training: rows
+        self.most = 0  # rows
 
-    def rows(self, batch: int, *, training: bool) -> int:
-        """The rows to run a batch of `batch` at: the most seen in this mode, this one too."""
-        self.most[training] = rows = max(batch, self.most.get(training, 0))
-        return rows
+    def rows(self, batch: int) -> int:
+        """The rows to run a batch of `batch` at: the most seen, this one's too."""
+        self.most = max(batch, self.most)
+        return self.most
 
     def __call__(self, *args: Any) -> tuple[Tensor | None, ...]:
         return self.fn(*args)
