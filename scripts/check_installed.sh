@@ -4,14 +4,15 @@
 #
 #   bash scripts/check_installed.sh [WORK_DIR]     (default: a temporary folder, removed at exit)
 #
-# Dependencies come from pip's cache of the wheels `make install` downloaded. The MobileNetV2
+# torch and what it requires are hard-linked from the checkout's .venv where they can be
+# (scripts/link_installed.py); the other dependencies come from the index `make install` used. The MobileNetV2
 # weights the demo config asks for are read from the checkout's $TORCH_HOME (the Makefile's
 # .cache/torch), as an offline user would point TORCH_HOME at their own copy.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 if [ -n "${1:-}" ]; then
   WORK="$1"
-else  # our own temporary folder (a venv with torch, several GB): removed however we exit
+else  # our own temporary folder (a venv; several GB if torch is installed, not linked): removed at exit
   WORK="$(mktemp -d "${TMPDIR:-/tmp}/captioning-installed.XXXXXX")"
   trap 'rm -rf "$WORK"' EXIT
 fi
@@ -42,6 +43,19 @@ rm -rf "$WORK/venv"
 "$PYTHON" -m venv "$WORK/venv"
 BIN="$WORK/venv/bin"
 "$BIN/pip" install -q --upgrade pip
+# torch's CUDA build is hard-linked from the checkout's venv when it has the same Python on the
+# same file system (a second copy would take 5.5 GB more disk); otherwise pip installs it.
+SITE="$("$BIN/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+SOURCE="$REPO/.venv/bin/python"
+same_python() { [ "$("$1" -c 'import sys; print(sys.version_info[:2])')" = "$("$BIN/python" -c 'import sys; print(sys.version_info[:2])')" ]; }
+if [ -x "$SOURCE" ] && same_python "$SOURCE" \
+    && "$SOURCE" "$REPO/scripts/link_installed.py" "$SITE" "$REPO/requirements-torch.txt"; then
+  echo "torch and what it requires: linked from $REPO/.venv"
+else  # a half-linked venv is not used: start it again
+  rm -rf "$WORK/venv"
+  "$PYTHON" -m venv "$WORK/venv"
+  "$BIN/pip" install -q --upgrade pip
+fi
 "$BIN/pip" install -q -r "$REPO/requirements-torch.txt" || "$BIN/pip" install -q torch torchvision
 "$BIN/pip" install -q "$WHEEL"
 
