@@ -23,6 +23,7 @@ from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.decoding import Generation
 from captioning.models.encoder import fingerprint
 from captioning.models.fast_path import FastPathSetting, resolve_fast_path
+from captioning.models.fixed_beam import FastBeam
 from captioning.objectives import ObjectiveKind, RewardForm, build_objective
 from captioning.optim import StepGuard, batch_message, build_adam, poisoned_loss, says_non_finite
 from captioning.scst import ScstConfig
@@ -38,7 +39,8 @@ class CaptioningModule(L.LightningModule):
     `objective: scst`: SCST fine-tuning (`scst`), from `init_from`'s weights (the CLI loads them).
     `spice`: SPICE too, in the test pass only (it needs the CoreNLP jars; else a warning says why).
     `fused_adam`: Adam's fused kernel; None: on CPU or CUDA, unless 16-mixed scales the loss.
-    With it the non-finite check costs no host sync (`captioning.optim.StepGuard`)."""
+    With it the non-finite check costs no host sync (`captioning.optim.StepGuard`).
+    `fast_beam`: beam search over fixed shapes (`Captioner.use_fast_beam`), the same captions."""
 
     def __init__(
         self,
@@ -65,18 +67,18 @@ class CaptioningModule(L.LightningModule):
         results_dir: str | None = None,
         fast_path: FastPathSetting = "auto",
         fast_bucket: int = 8,
+        fast_beam: FastBeam = "off",
         fused_adam: bool | None = None,
     ) -> None:
         super().__init__()
         net = CaptionerConfig.from_dict(net) if isinstance(net, dict) else net  # ckpt hparams
         decode = DecodeConfig.from_dict(decode) if isinstance(decode, dict) else decode
         scst = ScstConfig.from_dict(scst) if isinstance(scst, dict) else scst
-        if vocab_size:
-            net = replace(net, vocab_size=vocab_size)
+        net = replace(net, vocab_size=vocab_size) if vocab_size else net
         self.save_hyperparameters(ignore=["net", "decode", "scst"])
         self.hparams.update(net=net.to_dict(), decode=decode.to_dict(), scst=scst.to_dict())
-        self.decode = decode
-        self.captioner = Captioner(net)
+        self.decode, self.captioner = decode, Captioner(net)
+        self.captioner.use_fast_beam(fast_beam)
         self.objective = build_objective(**{  # each objective takes its settings from these
             **self.hparams, "attention": net.attention, "hard_estimator": net.hard_estimator,
             "vocab_size": net.vocab_size, "scst": scst, "forbid_unk": decode.forbid_unk})
@@ -143,8 +145,7 @@ class CaptioningModule(L.LightningModule):
         state = checkpoint.get("state_dict")
         if self._cache_source is None or not isinstance(state, dict):
             return
-        dm, weights = self._cache_source
-        prefix = "captioner.encoder."
+        (dm, weights), prefix = self._cache_source, "captioner.encoder."
         encoder = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         if not encoder or fingerprint(encoder) == weights:
             return
@@ -219,9 +220,8 @@ class CaptioningModule(L.LightningModule):
         enc = [p for p in self.captioner.encoder.parameters() if p.requires_grad]
         groups = [{"params": list(self.captioner.decoder.parameters()), "lr": hp.decoder_lr}]
         groups += [{"params": enc, "lr": hp.encoder_lr}] if enc else []
-        fused = hp.fused_adam
-        if fused is None:  # unless a GradScaler (16-mixed) unscales before the step
-            fused = self.device.type in ("cuda", "cpu") and not self._scaled()
+        fused = hp.fused_adam if hp.fused_adam is not None else (  # unless a GradScaler
+            self.device.type in ("cuda", "cpu") and not self._scaled())  # (16-mixed) unscales
         scheduled = hp.lr_schedule != "constant" or hp.warmup_steps > 0
         return build_adam(groups, weight_decay=hp.weight_decay, fused=fused,
                           schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +231,16 @@ def tiny_fit() -> Callable[..., Any]:
         return trainer
 
     return fit
+
+
+@pytest.fixture
+def counted_compile(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """torch.compile with Dynamo's counting backend (the graphs run as traced, uncompiled): its
+    `frame_count` is the graphs compiled. Dynamo is reset before and after."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter, real = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()

@@ -54,19 +54,6 @@ def eager_compile(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, An
     yield calls
 
 
-@pytest.fixture
-def counted_compile(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """torch.compile with Dynamo's counting backend (the graphs run as traced, uncompiled): its
-    `frame_count` is the graphs compiled. Dynamo is reset before and after."""
-    from torch._dynamo.testing import CompileCounter
-
-    counter, real = CompileCounter(), torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=counter, **kw))
-    torch._dynamo.reset()
-    yield counter
-    torch._dynamo.reset()
-
-
 def loss_and_grads(dec: AttentionLSTMDecoder, feats: Tensor, caps: Tensor, lengths: Tensor,
                    **kw: Any) -> tuple[Any, dict[str, Tensor]]:
     dec.zero_grad()

@@ -157,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-captions", type=int, default=1,
                    help="captions per image: the N best beams (N <= beam size) or N samples")
     p.add_argument("--batch-size", type=int, default=32, help="images decoded together")
+    add_fast_beam_flag(p)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto uses the GPU when there is one")
     p.add_argument("--json", action="store_true",
@@ -164,6 +165,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overlay", "--overlays", dest="overlay", metavar="DIR", default=None,
                    help="write one attention strip PNG per image into DIR")
     return p
+
+
+def add_fast_beam_flag(p: argparse.ArgumentParser) -> None:
+    """`--fast-beam`, which `caption` and `predict` share (`Captioner.use_fast_beam`)."""
+    p.add_argument("--fast-beam", choices=("off", "fixed", "compile", "graphs"), default="off",
+                   help="beam search over fixed shapes, the same captions: fixed, compiled, "
+                        "or replayed as CUDA graphs (graphs: one graph a batch size)")
 
 
 def output_problem(path: str | Path, *, folder: bool) -> str | None:
@@ -228,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         error(str(e))
         return 2
     model.captioner.to(device)
+    model.captioner.use_fast_beam(a.fast_beam)
     for msg in inputs.problems:
         error(msg)
     start = time.perf_counter()

@@ -87,7 +87,7 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 #: to the ones the user set in a config file or on the command line.
 USER_WINS = (*(f"model.decode.{f.name}" for f in fields(DecodeConfig)), "model.compute_metrics",
              "model.spice", "model.results_dir", "model.fast_path", "model.fast_bucket",
-             "model.net.hard_decode")
+             "model.fast_beam", "model.net.hard_decode")
 #: Settings that only decide how a model is initialised: with a checkpoint every weight comes
 #: from it, so a flag that differs from the checkpoint's is no conflict.
 INIT_ONLY = ("model.net.weights", "model.net.weight_init", "model.init_from")

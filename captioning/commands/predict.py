@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from captioning.commands.caption import (
     Inputs,
+    add_fast_beam_flag,
     decoding_settings,
     each_file_once,
     expand_arg,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from captioning.checkpoint import LoadedModel
     from captioning.lit_module import CaptioningModule
     from captioning.models.captioner import DecodeConfig
+    from captioning.models.fixed_beam import FastBeam
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--precision", default=None,
                    help="Lightning precision, e.g. 32-true, 16-mixed, bf16-mixed")
+    add_fast_beam_flag(p)
     return p
 
 
@@ -214,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def build_module(model: LoadedModel, decode: DecodeConfig) -> CaptioningModule:
+def build_module(model: LoadedModel, decode: DecodeConfig, fast_beam: FastBeam = "off"
+                 ) -> CaptioningModule:
     """A `CaptioningModule` (eval mode) holding a loaded model's weights and vocabulary,
     decoding with `decode` (`decoding_settings`: the checkpoint's, overridden as `captioning
     caption` does)."""
@@ -223,7 +227,8 @@ def build_module(model: LoadedModel, decode: DecodeConfig) -> CaptioningModule:
     from captioning.lit_module import CaptioningModule
 
     module = CaptioningModule(net=replace(model.config, weights=None),  # no download
-                              decode=decode, compute_metrics=False)
+                              decode=decode, compute_metrics=False,
+                              fast_beam=fast_beam)
     module.captioner.load_state_dict(model.captioner.state_dict())
     module.vocab = model.vocab
     return module.eval()
@@ -261,7 +266,7 @@ def _predict(a: argparse.Namespace, argv: list[str], model: LoadedModel, decode:
                             pin_memory=a.accelerator != "cpu" and torch.cuda.is_available())
     ended = False
     try:
-        trainer.predict(build_module(model, decode), dataloaders=loader,
+        trainer.predict(build_module(model, decode, a.fast_beam), dataloaders=loader,
                         return_predictions=False)
         ended = True
     finally:  # the ranks leave together, with no process-group thread left running at exit

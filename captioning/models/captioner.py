@@ -38,6 +38,7 @@ from captioning.models.decoding import (
     sample_search,
 )
 from captioning.models.encoder import CNNEncoder, fingerprint
+from captioning.models.fixed_beam import BeamSettings, FastBeam, FixedBeamSearch
 from captioning.models.initialise import capgen_init
 from captioning.models.pretrained import (
     CONFIG_FILE,
@@ -291,6 +292,14 @@ class Captioner(nn.Module):
         #: The data source its run read and that source's carving rule, where known
         #: (`from_pretrained`): `save_pretrained` keeps them.
         self.trained_on: dict[str, Any] = {}
+        #: Beam search over fixed shapes (`use_fast_beam`); None: `decoding.beam_search`.
+        self.fast_beam: FixedBeamSearch | None = None
+
+    def use_fast_beam(self, runner: FastBeam) -> None:
+        """Beam search by `fixed_beam.FixedBeamSearch` (the same captions over fixed shapes:
+        `fixed`, `compile`d, or replayed as CUDA `graphs`), or by `beam_search` (`off`)."""
+        check_choice("fast_beam", runner, FastBeam)
+        self.fast_beam = None if runner == "off" else FixedBeamSearch(self.decoder, runner)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -344,9 +353,12 @@ class Captioner(nn.Module):
             return sample_search(self.decoder, features, num_samples=decode.num_captions,
                                  temperature=decode.temperature, max_len=decode.max_len,
                                  forbid_unk=decode.forbid_unk, grad=grad, generator=generator)
-        return beam_search(self.decoder, features, beam_size=decode.beam_size,
-                           max_len=decode.max_len, length_penalty=decode.length_penalty,
-                           forbid_unk=decode.forbid_unk, num_captions=decode.num_captions)
+        settings = BeamSettings(beam_size=decode.beam_size, max_len=decode.max_len,
+                                length_penalty=decode.length_penalty,
+                                forbid_unk=decode.forbid_unk, num_captions=decode.num_captions)
+        if self.fast_beam is not None:
+            return self.fast_beam(features, settings)
+        return beam_search(self.decoder, features, **asdict(settings))
 
     def captions(self, images: Tensor, decode: DecodeConfig | None = None, *,
                  generator: torch.Generator | None = None) -> list[str]:

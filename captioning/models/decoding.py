@@ -73,7 +73,7 @@ def banned_ids(forbid_unk: bool) -> list[int]:
     return [IDS.pad, IDS.start, *([IDS.unk] if forbid_unk else [])]
 
 
-def _banned(log_probs: Tensor, forbid_unk: bool) -> Tensor:
+def ban_in_place(log_probs: Tensor, forbid_unk: bool) -> Tensor:
     """`banned_ids` set to -inf in place (the searches that need no gradient), a column at a
     time: no index tensor to build, or copy to the device, at every step."""
     for i in banned_ids(forbid_unk):
@@ -111,7 +111,7 @@ def greedy_search(
     lengths = torch.zeros(N, dtype=torch.long, device=device)
     for t in range(max_len):
         log_probs, state, alpha = decoder.step(tokens, state, memory)
-        log_probs = _banned(log_probs, forbid_unk)
+        log_probs = ban_in_place(log_probs, forbid_unk)
         best, tokens = log_probs.max(dim=-1)
         live = ~done
         out_tokens[:, t] = torch.where(live, tokens, IDS.pad)
@@ -164,14 +164,14 @@ def sample_search(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     with contextlib.nullcontext() if grad else torch.no_grad():
-        memory, state = _start(decoder, features, num_samples)
+        memory, state = start_rows(decoder, features, num_samples)
         gen = _sample_loop(decoder, memory, state, temperature=temperature, max_len=max_len,
                            forbid_unk=forbid_unk, generator=generator)
     gen.per_image = num_samples
     return gen
 
 
-def _start(decoder: StepDecoder, features: Tensor, k: int) -> tuple[Memory, DecoderState]:
+def start_rows(decoder: StepDecoder, features: Tensor, k: int) -> tuple[Memory, DecoderState]:
     """The memory and initial state of each image, computed once and repeated for its k rows
     (image-major)."""
     memory = decoder.memory(features)
@@ -255,6 +255,24 @@ class _Finished:
                           per_image=n)
 
 
+@dataclass(frozen=True)
+class BeamSettings:
+    """What a beam search is asked for (`beam_search`'s keywords), checked."""
+
+    beam_size: int = 3
+    max_len: int = 20
+    length_penalty: float = 0.0
+    forbid_unk: bool = False
+    num_captions: int = 1
+
+    def __post_init__(self) -> None:
+        if self.beam_size < 1:
+            raise ValueError(f"beam_size must be >= 1, got {self.beam_size}")
+        if not 1 <= self.num_captions <= self.beam_size:
+            raise ValueError(f"num_captions must be in [1, beam_size={self.beam_size}], "
+                             f"got {self.num_captions}")
+
+
 @torch.no_grad()
 def beam_search(
     decoder: StepDecoder,
@@ -274,13 +292,10 @@ def beam_search(
     finished one, and its rows leave the batch. Slots with no finished hypothesis by `max_len`
     take the image's best live beams, after its finished ones (`finished` False).
     """
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
-    if not 1 <= num_captions <= beam_size:
-        raise ValueError(f"num_captions must be in [1, beam_size={beam_size}], got {num_captions}")
+    BeamSettings(beam_size, max_len, length_penalty, forbid_unk, num_captions)  # checked
     N, L = features.size(0), features.size(1)
     k, nb, device = beam_size, num_captions, features.device
-    memory, state = _start(decoder, features, k)  # (N·k, ...)
+    memory, state = start_rows(decoder, features, k)  # (N·k, ...)
     alive = torch.arange(N, device=device)  # original index of each image still searching
 
     tokens = torch.full((N * k,), IDS.start, dtype=torch.long, device=device)
@@ -296,7 +311,7 @@ def beam_search(
         n = alive.numel()
         log_probs, state, alpha = decoder.step(tokens, state, memory)
         V = log_probs.size(-1)
-        log_probs = _banned(log_probs, forbid_unk)
+        log_probs = ban_in_place(log_probs, forbid_unk)
         cand = (beam_scores.unsqueeze(-1) + log_probs.view(n, k, V)).view(n, k * V)
         # 2k candidates always hold >= k that do not end: <end> is one word per beam.
         top_scores, top_idx = cand.topk(min(2 * k, k * V), dim=1)  # (n, 2k)

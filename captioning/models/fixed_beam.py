@@ -1,0 +1,301 @@
+"""Beam search over fixed shapes, for a GPU: every image's k beams at every step.
+
+`decoding.beam_search` drops an image's rows once its search is over and copies each
+finished hypothesis out as it ends: its shapes change from step to step, and it waits on the
+device three times a step. `FixedBeamSearch` gives the same captions with every row kept to
+the end: a finished image's pool no longer changes (`Carry.done`), each step records its
+back-pointers (`Record`), and the captions are traced back once, at the end (`trace_back`).
+Its step (`beam_step`) then has the same shapes at every step of every batch (a smaller batch
+is padded with images that start done), so it is compiled once (`compile`), or captured as
+one CUDA graph and replayed (`graphs`). One wait a step remains: are all images done?
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from captioning.choices import check_choice
+from captioning.models.decoding import (
+    IDS,
+    NEG_INF,
+    BeamSettings,
+    Generation,
+    StepDecoder,
+    ban_in_place,
+    length_normalised,
+    start_rows,
+)
+from captioning.models.fast_path import COMPILE_OPTIONS
+from captioning.models.state import DecoderState, Memory
+
+BeamRunner = Literal["fixed", "compile", "graphs"]
+FastBeam = Literal["off", "fixed", "compile", "graphs"]  # off: `decoding.beam_search`
+
+
+class Pool(NamedTuple):
+    """Each image's n best finished hypotheses, best first; a hypothesis is traced back from
+    the step it ended at and the row whose word was <end>."""
+
+    norm: Tensor  # (N, n) length-normalised score; -inf: no hypothesis yet
+    score: Tensor  # (N, n) Σ log p
+    length: Tensor  # (N, n) words, <end> included
+    step: Tensor  # (N, n) the step of its <end>
+    row: Tensor  # (N, n) the beam (of the k) that emitted <end>
+
+
+class Carry(NamedTuple):
+    """What one step hands the next."""
+
+    tokens: Tensor  # (N·k,) each row's last word
+    state: DecoderState  # (N·k, ...) the rows' recurrent state
+    scores: Tensor  # (N, k) the live beams' Σ log p
+    done: Tensor  # (N,) bool: the image's search is over (padding images start done)
+    pool: Pool
+
+
+class Record(NamedTuple):
+    """One step's back-pointers: beam j after step t extends row parent[j] with word[j]."""
+
+    alpha: Tensor  # (N, k, L) float32: α of each row at this step
+    location: Tensor  # (N, k) the location each row attended
+    parent: Tensor  # (N, k) the row each new beam extends
+    word: Tensor  # (N, k) the word it adds
+
+
+def beam_step(decoder: StepDecoder, memory: Memory, carry: Carry, t: Tensor,
+              settings: BeamSettings) -> tuple[Carry, Record]:
+    """Step t (a 0-d tensor, so that one graph serves every step) of every image's k beams."""
+    k, n = settings.beam_size, carry.done.size(0)
+    log_probs, state, alpha = decoder.step(carry.tokens, carry.state, memory)
+    V = log_probs.size(-1)
+    log_probs = ban_in_place(log_probs, settings.forbid_unk)
+    cand = (carry.scores.unsqueeze(-1) + log_probs.view(n, k, V)).view(n, k * V)
+    # 2k candidates always hold >= k that do not end: <end> is one word per beam.
+    top, index = cand.topk(min(2 * k, k * V), dim=1)  # (n, 2k)
+    src = torch.div(index, V, rounding_mode="floor")
+    word = index % V
+    length = (t + 1).expand(n, k)  # (n, k)
+    pool = _pooled(carry, top[:, :k], word[:, :k], src[:, :k], length, t, settings)
+    live = torch.where(word == IDS.end, NEG_INF, top)  # the best k that did not end
+    scores, order = live.topk(k, dim=1)  # (n, k)
+    parent, new_word = src.gather(1, order), word.gather(1, order)
+    rows = (torch.arange(n, device=parent.device).unsqueeze(1) * k + parent).view(-1)
+    next_state = type(state)(*(x.index_select(0, rows) for x in state))
+    done = carry.done | _over(scores, pool.norm[:, -1], t + 1, settings)
+    record = Record(alpha.float().view(n, k, -1), state.location.view(n, k), parent, new_word)
+    return Carry(new_word.view(-1), next_state, scores, done, pool), record
+
+
+def _pooled(carry: Carry, top: Tensor, word: Tensor, src: Tensor, length: Tensor, t: Tensor,
+            settings: BeamSettings) -> Pool:
+    """An <end> among the top k (as in fairseq, so k = 1 is greedy) competes with the image's
+    n best so far; a stable sort keeps the older one on ties. A done image's pool stays."""
+    old, n = carry.pool, carry.done.size(0)
+    is_end = (word == IDS.end) & torch.isfinite(top) & ~carry.done.unsqueeze(1)
+    norm = torch.where(is_end, length_normalised(top, length, settings.length_penalty), NEG_INF)
+    merged = torch.cat([old.norm, norm], dim=1)  # (n, n_best + k)
+    order = merged.sort(dim=1, descending=True, stable=True).indices[:, :settings.num_captions]
+
+    def pick(kept: Tensor, new: Tensor) -> Tensor:
+        return torch.cat([kept, new], dim=1).gather(1, order)
+
+    return Pool(merged.gather(1, order), pick(old.score, top), pick(old.length, length),
+                pick(old.step, t.expand(n, word.size(1))), pick(old.row, src))
+
+
+def _over(scores: Tensor, worst: Tensor, length: Tensor, settings: BeamSettings) -> Tensor:
+    """Whether no live beam can beat the image's n-th best finished hypothesis. Raw scores only
+    fall as words are added, so with α > 0 the best a live beam can reach is its score
+    normalised by the longest allowed length."""
+    best_live = scores.max(dim=1).values  # (n,)
+    lp = settings.length_penalty
+    bound_len = torch.full_like(best_live, settings.max_len) if lp > 0 else length
+    bound = length_normalised(best_live, bound_len.expand_as(best_live), lp)
+    return torch.isfinite(worst) & (worst >= bound)
+
+
+class History(NamedTuple):
+    """Every step's `Record`, stacked: (max_len, N, k, ...)."""
+
+    alpha: Tensor
+    location: Tensor
+    parent: Tensor
+    word: Tensor
+
+    @classmethod
+    def empty(cls, steps: int, n: int, k: int, L: int, device: torch.device) -> History:
+        long = {"dtype": torch.long, "device": device}
+        return cls(torch.zeros(steps, n, k, L, dtype=torch.float32, device=device),
+                   torch.zeros(steps, n, k, **long), torch.zeros(steps, n, k, **long),
+                   torch.zeros(steps, n, k, **long))
+
+    def write(self, t: Tensor, record: Record) -> None:
+        """Record step t (0-d) in place; by index_copy_, so that a CUDA graph holds it too."""
+        for buf, x in zip(self, record):
+            buf.index_copy_(0, t.view(1), x.unsqueeze(0))
+
+
+def start(decoder: StepDecoder, features: Tensor, settings: BeamSettings,
+          real: int) -> tuple[Memory, Carry]:
+    """The memory of the N·k rows and the first carry; images from `real` on are padding."""
+    N, k, n = features.size(0), settings.beam_size, settings.num_captions
+    memory, state = start_rows(decoder, features, k)
+    device = features.device
+    acc = torch.promote_types(features.dtype, torch.float32)  # scores: at least float32
+    scores = torch.full((N, k), NEG_INF, dtype=acc, device=device)
+    scores[:, 0] = 0.0  # all beams start identical: keep one live
+    done = torch.arange(N, device=device) >= real
+    zeros = torch.zeros(N, n, dtype=torch.long, device=device)
+    pool = Pool(torch.full((N, n), NEG_INF, dtype=acc, device=device),
+                torch.full((N, n), NEG_INF, dtype=acc, device=device), zeros, zeros.clone(),
+                zeros.clone())
+    tokens = torch.full((N * k,), IDS.start, dtype=torch.long, device=device)
+    return memory, Carry(tokens, state, scores, done, pool)
+
+
+def trace_back(carry: Carry, history: History, steps: int, real: int) -> Generation:
+    """The n best hypotheses of each of the first `real` images, best first (N·n rows,
+    image-major), traced back through the `steps` recorded. Slots with no finished hypothesis
+    take the image's best live beams, after its finished ones (`finished` False)."""
+    pool, n_best = carry.pool, carry.pool.norm.size(1)
+    device = carry.scores.device
+    finished = torch.isfinite(pool.norm)  # (N, n); slots are sorted: the empty ones trail
+    ranked = carry.scores.sort(dim=1, descending=True, stable=True).indices  # (N, k)
+    live_rank = (torch.arange(n_best, device=device) - finished.sum(dim=1, keepdim=True)).clamp_min(0)
+    live_beam = ranked.gather(1, live_rank)  # (N, n) the live beam an empty slot takes
+    last = torch.full_like(pool.step, steps - 1)
+    end = torch.where(finished, pool.step, last)  # (N, n) each slot's last step
+    first_word = torch.where(finished, IDS.end, history.word[steps - 1].gather(1, live_beam))
+    first_row = torch.where(finished, pool.row, history.parent[steps - 1].gather(1, live_beam))
+    N, L = pool.norm.size(0), history.alpha.size(-1)
+    tokens = torch.full((N, n_best, steps), IDS.pad, dtype=torch.long, device=device)
+    alphas = torch.zeros(N, n_best, steps, L, dtype=torch.float32, device=device)
+    locations = torch.zeros(N, n_best, steps, dtype=torch.long, device=device)
+    beam = live_beam  # the beam each slot is at after step s, once s < end
+    for s in range(steps - 1, -1, -1):
+        at_end, before = end == s, end > s
+        row = torch.where(at_end, first_row, history.parent[s].gather(1, beam))
+        word = torch.where(at_end, first_word, history.word[s].gather(1, beam))
+        on = at_end | before
+        tokens[:, :, s] = torch.where(on, word, IDS.pad)
+        index = row.unsqueeze(-1).expand(N, n_best, L)
+        alphas[:, :, s] = history.alpha[s].gather(1, index) * on.unsqueeze(-1)
+        locations[:, :, s] = torch.where(on, history.location[s].gather(1, row), 0)
+        beam = torch.where(on, row, beam)
+    lengths = torch.where(finished, pool.length, steps)
+    scores = torch.where(finished, pool.score, carry.scores.gather(1, live_beam))
+    T = int(lengths[:real].max().item()) if real else 0
+    return Generation(tokens[:real, :, :T].flatten(0, 1), lengths[:real].flatten(),
+                      scores[:real].flatten(), alphas[:real, :, :T].flatten(0, 1),
+                      locations[:real, :, :T].flatten(0, 1), finished[:real].flatten(),
+                      per_image=n_best)
+
+
+def _tensors(carry: Carry) -> list[Tensor]:
+    return [carry.tokens, *carry.state, carry.scores, carry.done, *carry.pool]
+
+
+def _cloned(carry: Carry) -> Carry:
+    return Carry(carry.tokens.clone(), type(carry.state)(*(x.clone() for x in carry.state)),
+                 carry.scores.clone(), carry.done.clone(), Pool(*(x.clone() for x in carry.pool)))
+
+
+class GraphedSearch:
+    """One batch shape's step captured as a CUDA graph over static buffers: a replay runs a
+    step, records it, moves the carry on in place and counts the step."""
+
+    def __init__(self, decoder: StepDecoder, settings: BeamSettings, memory: Memory,
+                 carry: Carry, history: History) -> None:
+        self.key = _shape_key(settings, memory)
+        self.memory = Memory(memory.values.clone(), memory.keys.clone())
+        self.carry, self.history = _cloned(carry), history
+        self.t = torch.zeros((), dtype=torch.long, device=carry.done.device)
+        self.all_done = torch.zeros((), dtype=torch.bool, device=carry.done.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # kernels and cuBLAS' workspace set up before capture
+            beam_step(decoder, self.memory, _cloned(self.carry), self.t, settings)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            new, record = beam_step(decoder, self.memory, self.carry, self.t, settings)
+            self.history.write(self.t, record)
+            for kept, fresh in zip(_tensors(self.carry), _tensors(new)):
+                kept.copy_(fresh)
+            self.all_done.copy_(self.carry.done.all())
+            self.t.add_(1)
+
+    def run(self, memory: Memory, carry: Carry, max_len: int) -> tuple[Carry, History, int]:
+        """The search from `carry` over `memory` (this graph's shapes): carry, history, steps."""
+        self.memory.values.copy_(memory.values)
+        self.memory.keys.copy_(memory.keys)
+        for kept, fresh in zip(_tensors(self.carry), _tensors(carry)):
+            kept.copy_(fresh)
+        self.t.zero_()
+        steps = 0
+        while steps < max_len:
+            self.graph.replay()
+            steps += 1
+            if bool(self.all_done):  # the step's one wait
+                break
+        return self.carry, self.history, steps
+
+
+def _shape_key(settings: BeamSettings, memory: Memory) -> tuple[object, ...]:
+    return (settings, tuple(memory.values.shape), memory.values.dtype,
+            tuple(memory.keys.shape), memory.keys.dtype, memory.values.device,
+            torch.is_autocast_enabled("cuda"))
+
+
+class FixedBeamSearch:
+    """`decoding.beam_search`'s captions by `beam_step` over fixed shapes, run by `runner`:
+    `fixed` (uncompiled: what the others must equal), `compile` (one compiled graph for every
+    step of a batch shape) or `graphs` (a step captured as a CUDA graph, replayed; the last
+    shape's is kept). A batch of at least a quarter of the most images seen runs at that
+    many, the rest padding, so that an epoch's smaller last batch needs no graph of its own."""
+
+    def __init__(self, decoder: StepDecoder, runner: BeamRunner = "compile") -> None:
+        check_choice("beam runner", runner, BeamRunner)
+        self.decoder, self.runner, self.most = decoder, runner, 0
+        self.step = beam_step
+        if runner == "compile":
+            self.step = torch.compile(beam_step, dynamic=False, fullgraph=True, **COMPILE_OPTIONS)
+        self.graphed: GraphedSearch | None = None
+
+    def rows(self, batch: int) -> int:
+        """The images a batch of `batch` runs at."""
+        self.most = max(self.most, batch)
+        return self.most if 4 * batch >= self.most else batch
+
+    @torch.no_grad()
+    def __call__(self, features: Tensor, settings: BeamSettings) -> Generation:
+        real = features.size(0)
+        rows = self.rows(real)
+        if rows > real:
+            features = torch.cat([features, features.new_zeros(rows - real, *features.shape[1:])])
+        memory, carry = start(self.decoder, features, settings, real)
+        history = History.empty(settings.max_len, rows, settings.beam_size, features.size(1),
+                                features.device)
+        if self.runner == "graphs" and features.is_cuda:
+            if self.graphed is None or self.graphed.key != _shape_key(settings, memory):
+                self.graphed = None  # its buffers go before the next one's are made
+                self.graphed = GraphedSearch(self.decoder, settings, memory, carry, history)
+            carry, history, steps = self.graphed.run(memory, carry, settings.max_len)
+        else:
+            carry, steps = self._loop(memory, carry, history, settings)
+        return trace_back(carry, history, steps, real)
+
+    def _loop(self, memory: Memory, carry: Carry, history: History,
+              settings: BeamSettings) -> tuple[Carry, int]:
+        t = torch.zeros((), dtype=torch.long, device=carry.done.device)
+        steps = 0
+        while steps < settings.max_len:
+            carry, record = self.step(self.decoder, memory, carry, t, settings)
+            history.write(t, record)
+            t, steps = t + 1, steps + 1
+            if bool(carry.done.all()):
+                break
+        return carry, steps

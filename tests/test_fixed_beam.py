@@ -1,0 +1,134 @@
+"""Beam search over fixed shapes (`captioning.models.fixed_beam`): `decoding.beam_search`'s
+captions, scores, α and locations, with every row kept to the end; compiled, one graph."""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_decoding import make_decoder
+from torch import Tensor
+from trained import Trained
+
+from captioning.commands import caption, predict
+from captioning.lit_module import CaptioningModule
+from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
+from captioning.models.decoding import BeamSettings, Generation, beam_search
+from captioning.models.fixed_beam import FastBeam, FixedBeamSearch
+
+L, D = 5, 16
+
+
+def assert_same(a: Generation, b: Generation) -> None:
+    assert b.per_image == a.per_image
+    assert torch.equal(b.tokens, a.tokens)
+    assert torch.equal(b.lengths, a.lengths)
+    assert torch.equal(b.finished, a.finished)
+    assert torch.equal(b.locations, a.locations)
+    torch.testing.assert_close(b.scores, a.scores, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.alphas, a.alphas, atol=1e-6, rtol=1e-5)
+
+
+def features(n: int, seed: int = 0) -> Tensor:
+    return torch.randn(n, L, D, generator=torch.Generator().manual_seed(seed))
+
+
+CASES = [  # beam, captions, length penalty, max_len, forbid <unk>
+    (1, 1, 0.0, 6, False),  # greedy, no caption ends by max_len
+    (3, 1, 0.0, 8, False),  # every image done early
+    (3, 2, 0.7, 8, True),
+    (5, 3, 0.0, 4, False),  # some slots take live beams
+    (4, 4, 1.0, 12, False),
+]
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+@pytest.mark.parametrize("k, n, lp, max_len, forbid_unk", CASES)
+def test_fixed_shapes_give_beam_searchs_captions(attention: str, k: int, n: int, lp: float,
+                                                 max_len: int, forbid_unk: bool) -> None:
+    kw = {"attention": "hard", "hard_decode": "argmax"} if attention == "hard" else {}
+    dec = make_decoder(1, **kw)
+    f = features(6)
+    want = beam_search(dec, f, beam_size=k, max_len=max_len, length_penalty=lp,
+                       num_captions=n, forbid_unk=forbid_unk)
+    got = FixedBeamSearch(dec, "fixed")(f, BeamSettings(k, max_len, lp, forbid_unk, n))
+    assert_same(want, got)
+
+
+def test_the_cases_reach_every_kind_of_slot() -> None:
+    """The cases above hold images done before max_len, slots filled by live beams, and
+    searches that run to max_len: the paths trace_back takes."""
+    dec = make_decoder(1)
+    kinds = set()
+    for k, n, lp, max_len, forbid_unk in CASES:
+        gen = beam_search(dec, features(6), beam_size=k, max_len=max_len, length_penalty=lp,
+                          num_captions=n, forbid_unk=forbid_unk)
+        kinds |= {"finished" if f else "live" for f in gen.finished.tolist()}
+        kinds |= {"short" if int(m) < max_len else "full" for m in gen.lengths}
+    assert kinds == {"finished", "live", "short", "full"}
+
+
+def test_a_smaller_batch_runs_padded_and_gives_its_own_captions() -> None:
+    dec = make_decoder(2)
+    search = FixedBeamSearch(dec, "fixed")
+    settings = BeamSettings(beam_size=3, max_len=10, num_captions=2)
+    search(features(8), settings)
+    small = features(3, seed=1)
+    assert search.rows(3) == 8  # padded up to the 8 seen
+    assert_same(beam_search(dec, small, beam_size=3, max_len=10, num_captions=2),
+                search(small, settings))
+    assert search.rows(1) == 1  # under a quarter of the most: its own size
+
+
+def test_one_compiled_graph_serves_every_step_and_a_padded_batch(counted_compile: Any
+                                                                 ) -> None:
+    dec = make_decoder(3)
+    search = FixedBeamSearch(dec, "compile")
+    settings = BeamSettings(beam_size=3, max_len=8, length_penalty=0.7, num_captions=2)
+    for n, seed in ((6, 0), (4, 1), (6, 2)):
+        f = features(n, seed)
+        assert_same(beam_search(dec, f, **vars(settings)), search(f, settings))
+    assert counted_compile.frame_count == 1
+
+
+def test_captioner_generate_uses_the_fast_beam_it_is_given() -> None:
+    cfg = CaptionerConfig(backbone="resnet18", weights=None, grid_size=2, image_size=32,
+                          embed_dim=8, hidden_dim=16, attn_dim=8, vocab_size=12, dropout=0.0)
+    model = Captioner(cfg).eval()
+    images = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    decode = DecodeConfig(beam_size=3, max_len=6, num_captions=2)
+    want = model.generate(images, decode)
+    model.use_fast_beam("fixed")
+    assert isinstance(model.fast_beam, FixedBeamSearch)
+    assert_same(want, model.generate(images, decode))
+    model.use_fast_beam("off")
+    assert model.fast_beam is None
+    with pytest.raises(ValueError, match="fast_beam must be"):
+        model.use_fast_beam("fast")  # type: ignore[arg-type]
+    assert CaptioningModule(net=cfg, fast_beam="compile").captioner.fast_beam is not None
+
+
+def test_the_commands_offer_every_fast_beam() -> None:
+    for main in (caption, predict):
+        action = next(a for a in main._parser()._actions if a.dest == "fast_beam")
+        assert tuple(action.choices) == typing.get_args(FastBeam)
+
+
+def test_caption_and_predict_with_a_fast_beam_give_the_same_captions(
+        trained: Trained, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = [str(p) for p in trained.images[:5]]
+    common = ["--checkpoint", str(trained.checkpoint), "--beam-size", "3", "--max-len", "12"]
+    by_caption = []
+    for fast in ("off", "fixed"):
+        assert caption.main([*common, "--device", "cpu", "--fast-beam", fast, *paths]) == 0
+        by_caption.append(capsys.readouterr()[0].splitlines())
+    assert by_caption[0] == by_caption[1] and len(by_caption[0]) == 5
+    out = tmp_path / "captions.json"
+    assert predict.main([*common, "--fast-beam", "fixed", "--out", str(out), "--accelerator",
+                         "cpu", "--num-workers", "0", *paths]) == 0
+    assert sorted(r["caption"] for r in json.loads(out.read_text())) == \
+        sorted(ln.split("\t")[1] for ln in by_caption[0])
