@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from test_decoding import make_decoder
+from test_gpu import check_fixed_beam_matches_beam_search
 from torch import Tensor
 from trained import Trained
 
@@ -93,6 +94,13 @@ def test_one_compiled_graph_serves_every_step_and_a_padded_batch(counted_compile
         f = features(n, seed)
         assert_same(beam_search(dec, f, **vars(settings)), search(f, settings))
     assert counted_compile.frame_count == 1
+
+
+@pytest.mark.parametrize("runner", ["fixed", "graphs"])
+def test_the_gpu_tests_check_passes_here(runner: str) -> None:
+    """tests/test_gpu.py's check (compile and graphs on CUDA), run here uncompiled; `graphs`
+    runs its in-place step over static buffers, without capturing it."""
+    check_fixed_beam_matches_beam_search("cpu", runner)
 
 
 def test_captioner_generate_uses_the_fast_beam_it_is_given() -> None:

@@ -1,5 +1,6 @@
 """GPU-only checks (`pytest -m gpu`, run by `make gpu-check`): bf16 training steps are finite,
-beam search on CUDA gives the CPU's captions for the same weights, attention overlays render
+beam search on CUDA gives the CPU's captions for the same weights (and, over fixed shapes,
+compiled or replayed as CUDA graphs, beam_search's captions), attention overlays render
 on the device, the feature cache builds on the device and its grids gather there
 (`features_on_device`). Skipped without CUDA.
 
@@ -109,6 +110,45 @@ def check_beam_matches_cpu(device: str) -> None:
     assert torch.equal(dev.lengths.cpu(), cpu.lengths)
     torch.testing.assert_close(dev.scores.cpu(), cpu.scores, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(dev.alphas.cpu(), cpu.alphas, atol=1e-5, rtol=1e-4)
+
+
+def ending_captioner() -> Captioner:
+    """A random captioner whose captions end after a few words, at different steps: beam
+    search drops each image's rows as its search ends."""
+    torch.manual_seed(0)
+    captioner = Captioner(tiny_net()).eval()
+    with torch.no_grad():
+        captioner.decoder.out.weight.mul_(8)
+        captioner.decoder.out.bias[SpecialIds.end] += 4.0
+    return captioner
+
+
+def check_fixed_beam_matches_beam_search(device: str, runner: str) -> None:
+    """`use_fast_beam(runner)` on `device`: beam_search's captions there, for a batch, the same
+    batch again and a smaller one (padded up: `graphs` replays the one graph it captured)."""
+    captioner = ending_captioner().to(device)
+    features = torch.randn(8, 9, 512, generator=torch.Generator().manual_seed(1)).relu()
+    features = features.to(device)
+    decode = DecodeConfig(strategy="beam", beam_size=3, max_len=12, num_captions=2)
+    batches = (features, features, features[:5])
+    with torch.no_grad():
+        want = [captioner.generate(f, decode) for f in batches]
+        captioner.use_fast_beam(runner)  # type: ignore[arg-type]
+        got, graphs = [], []
+        for f in batches:
+            got.append(captioner.generate(f, decode))
+            graphs.append(captioner.fast_beam.graphed)  # type: ignore[union-attr]
+    lengths = torch.cat([g.lengths for g in want])
+    finished = torch.cat([g.finished for g in want])
+    assert len(set(lengths.tolist())) >= 3 and finished.any() and not finished.all()
+    for a, b in zip(want, got):
+        assert b.tokens.device.type == torch.device(device).type
+        assert torch.equal(b.tokens, a.tokens) and torch.equal(b.lengths, a.lengths)
+        assert torch.equal(b.finished, a.finished) and torch.equal(b.locations, a.locations)
+        torch.testing.assert_close(b.scores, a.scores, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(b.alphas, a.alphas, atol=1e-5, rtol=1e-4)
+    if runner == "graphs":  # one shape: one capture (on the CPU, its in-place step uncaptured)
+        assert graphs[0] is not None and all(g is graphs[0] for g in graphs)
 
 
 def check_overlay_on_device(device: str) -> None:
@@ -349,6 +389,11 @@ def test_a_fit_on_graphs_replays_a_graph_a_bucket(
 
 def test_beam_search_on_cuda_equals_cpu(exact_fp32: None) -> None:
     check_beam_matches_cpu("cuda")
+
+
+@pytest.mark.parametrize("runner", ["compile", "graphs"])
+def test_fixed_beam_search_on_cuda_equals_beam_search(runner: str, exact_fp32: None) -> None:
+    check_fixed_beam_matches_beam_search("cuda", runner)
 
 
 def test_overlays_render_on_the_device(exact_fp32: None) -> None:

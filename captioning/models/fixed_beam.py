@@ -12,6 +12,7 @@ one CUDA graph and replayed (`graphs`). One wait a step remains: are all images 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
@@ -204,31 +205,40 @@ def _cloned(carry: Carry) -> Carry:
 
 
 class GraphedSearch:
-    """One batch shape's step captured as a CUDA graph over static buffers: a replay runs a
-    step, records it, moves the carry on in place and counts the step."""
+    """One batch shape's search over static buffers: each `replay` runs a step, records it,
+    moves the carry on in place and counts the step. With `capture` (on CUDA) that is one CUDA
+    graph's replay; without it the same in-place step runs as it is (the CPU's tests)."""
 
     def __init__(self, decoder: StepDecoder, settings: BeamSettings, memory: Memory,
-                 carry: Carry, history: History) -> None:
+                 carry: Carry, history: History, *, capture: bool = True) -> None:
+        self.decoder, self.settings = decoder, settings
         self.key = _shape_key(settings, memory)
         self.memory = Memory(memory.values.clone(), memory.keys.clone())
         self.carry, self.history = _cloned(carry), history
         self.t = torch.zeros((), dtype=torch.long, device=carry.done.device)
         self.all_done = torch.zeros((), dtype=torch.bool, device=carry.done.device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # kernels and cuBLAS' workspace set up before capture
-            beam_step(decoder, self.memory, _cloned(self.carry), self.t, settings)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            new, record = beam_step(decoder, self.memory, self.carry, self.t, settings)
-            self.history.write(self.t, record)
-            for kept, fresh in zip(_tensors(self.carry), _tensors(new)):
-                kept.copy_(fresh)
-            self.all_done.copy_(self.carry.done.all())
-            self.t.add_(1)
+        self.replay: Callable[[], object] = self.step
+        if capture:  # `run` sets every buffer again: the warm-up step leaves nothing behind
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), _uncached_autocast():  # kernels, cuBLAS' workspace
+                self.step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), _uncached_autocast():
+                self.step()
+            self.replay = graph.replay
 
-    def run(self, memory: Memory, carry: Carry, max_len: int) -> tuple[Carry, History, int]:
+    def step(self) -> None:
+        """Step t of the search, in place."""
+        new, record = beam_step(self.decoder, self.memory, self.carry, self.t, self.settings)
+        self.history.write(self.t, record)
+        for kept, fresh in zip(_tensors(self.carry), _tensors(new)):
+            kept.copy_(fresh)
+        self.all_done.copy_(self.carry.done.all())
+        self.t.add_(1)
+
+    def run(self, memory: Memory, carry: Carry) -> tuple[Carry, History, int]:
         """The search from `carry` over `memory` (this graph's shapes): carry, history, steps."""
         self.memory.values.copy_(memory.values)
         self.memory.keys.copy_(memory.keys)
@@ -236,12 +246,19 @@ class GraphedSearch:
             kept.copy_(fresh)
         self.t.zero_()
         steps = 0
-        while steps < max_len:
-            self.graph.replay()
+        while steps < self.settings.max_len:
+            self.replay()
             steps += 1
             if bool(self.all_done):  # the step's one wait
                 break
         return self.carry, self.history, steps
+
+
+def _uncached_autocast() -> torch.autocast:
+    """The caller's autocast, if any, without its cache of cast weights: a graph captured with
+    the cache on would replay casts into memory freed when the caller's autocast exits."""
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                          enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
 
 
 def _shape_key(settings: BeamSettings, memory: Memory) -> tuple[object, ...]:
@@ -253,8 +270,8 @@ def _shape_key(settings: BeamSettings, memory: Memory) -> tuple[object, ...]:
 class FixedBeamSearch:
     """`decoding.beam_search`'s captions by `beam_step` over fixed shapes, run by `runner`:
     `fixed` (uncompiled: what the others must equal), `compile` (one compiled graph for every
-    step of a batch shape) or `graphs` (a step captured as a CUDA graph, replayed; the last
-    shape's is kept). A batch of at least a quarter of the most images seen runs at that
+    step of a batch shape) or `graphs` (a step captured as a CUDA graph and replayed, the last
+    shape's kept; off CUDA, the same in-place step uncaptured: `GraphedSearch`). A batch of at least a quarter of the most images seen runs at that
     many, the rest padding, so that an epoch's smaller last batch needs no graph of its own."""
 
     def __init__(self, decoder: StepDecoder, runner: BeamRunner = "compile") -> None:
@@ -277,16 +294,21 @@ class FixedBeamSearch:
         if rows > real:
             features = torch.cat([features, features.new_zeros(rows - real, *features.shape[1:])])
         memory, carry = start(self.decoder, features, settings, real)
-        history = History.empty(settings.max_len, rows, settings.beam_size, features.size(1),
-                                features.device)
-        if self.runner == "graphs" and features.is_cuda:
+
+        def history() -> History:
+            return History.empty(settings.max_len, rows, settings.beam_size, features.size(1),
+                                 features.device)
+
+        if self.runner == "graphs":
             if self.graphed is None or self.graphed.key != _shape_key(settings, memory):
                 self.graphed = None  # its buffers go before the next one's are made
-                self.graphed = GraphedSearch(self.decoder, settings, memory, carry, history)
-            carry, history, steps = self.graphed.run(memory, carry, settings.max_len)
+                self.graphed = GraphedSearch(self.decoder, settings, memory, carry, history(),
+                                             capture=features.is_cuda)
+            carry, taken, steps = self.graphed.run(memory, carry)
         else:
-            carry, steps = self._loop(memory, carry, history, settings)
-        return trace_back(carry, history, steps, real)
+            taken = history()
+            carry, steps = self._loop(memory, carry, taken, settings)
+        return trace_back(carry, taken, steps, real)
 
     def _loop(self, memory: Memory, carry: Carry, history: History,
               settings: BeamSettings) -> tuple[Carry, int]:
