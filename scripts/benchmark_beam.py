@@ -2,13 +2,16 @@
 
     python scripts/benchmark_beam.py [--n 256] [--beam-size 5] [--batch-size 64] [--device auto]
     python scripts/benchmark_beam.py --checkpoint CKPT [--images DIR|GLOB ...]
+    python scripts/benchmark_beam.py ... --fast-beam fixed|compile|graphs
 
 Both modes call the same `captioning.models.decoding.beam_search` on annotation grids (B, L, D), so
 only decoding is timed. Without a checkpoint the decoder has the demo size (embed 128, hidden
 256, attention 128) over random grids of the demo shape (L = 64, D = 96), with random weights
 and <end> disabled, so that every image runs `--max-len` steps in both modes (an untrained
 decoder would otherwise stop after a step or two). With a checkpoint, captions end where the
-model ends them, and a batch runs until its longest caption is done.
+model ends them, and a batch runs until its longest caption is done. `--fast-beam` adds a
+third mode, batched over fixed shapes (`captioning.models.fixed_beam`), timed chunk by chunk
+alongside the other two, with how many of its captions are the batched search's.
 The grids come from its encoder on shapes test images (generated into a temporary folder when
 no --images are given), computed once before timing.
 """
@@ -28,7 +31,8 @@ from bench.workers import never_end
 from torch import Tensor
 
 from captioning.models.decoder import AttentionLSTMDecoder
-from captioning.models.decoding import Generation, beam_search
+from captioning.models.decoding import BeamSettings, Generation, beam_search
+from captioning.models.fixed_beam import FixedBeamSearch
 
 log = logging.getLogger("benchmark_beam")
 
@@ -79,26 +83,22 @@ def checkpoint_setup(args: argparse.Namespace) -> tuple[AttentionLSTMDecoder, Te
     return model.captioner.decoder, torch.cat(grids), settings
 
 
-def timed(decode: Callable[[Tensor], Generation], features: Tensor, batch_size: int,
-          device: torch.device) -> tuple[float, float, list[Generation], list[Generation]]:
-    """Seconds to decode all `features` batched and one at a time, and both outputs.
-
-    The two modes alternate chunk by chunk (a batch, then its images one by one), so that
-    both see the same machine load when other processes come and go."""
-    t_batched = t_single = 0.0
-    batched: list[Generation] = []
-    single: list[Generation] = []
+def timed(modes: dict[str, Callable[[Tensor], list[Generation]]], features: Tensor,
+          batch_size: int, device: torch.device) -> dict[str, tuple[float, list[Generation]]]:
+    """Seconds each mode takes to decode all `features`, and its outputs, a chunk of
+    `batch_size` at a time. The modes alternate chunk by chunk (a batch, then its images one
+    by one, ...), so that all see the same machine load when other processes come and go."""
+    took = {name: (0.0, []) for name in modes}
     for s in range(0, features.size(0), batch_size):
         chunk = features[s:s + batch_size]
-        _sync(device)
-        t0 = time.perf_counter()
-        batched.append(decode(chunk))
-        _sync(device)
-        t1 = time.perf_counter()
-        single += [decode(chunk[i:i + 1]) for i in range(chunk.size(0))]
-        _sync(device)
-        t_batched, t_single = t_batched + t1 - t0, t_single + time.perf_counter() - t1
-    return t_batched, t_single, batched, single
+        for name, decode in modes.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            out = decode(chunk)
+            _sync(device)
+            seconds, gens = took[name]
+            took[name] = (seconds + time.perf_counter() - t0, gens + out)
+    return took
 
 
 def same_captions(a: list[Generation], b: list[Generation]) -> int:
@@ -124,6 +124,8 @@ def main() -> None:
     p.add_argument("--locations", type=int, default=64, help="L of the random grids")
     p.add_argument("--dim", type=int, default=96, help="D of the random grids")
     p.add_argument("--vocab-size", type=int, default=50, help="words of the random decoder")
+    p.add_argument("--fast-beam", choices=("fixed", "compile", "graphs"), default=None,
+                   help="also time batched beam search over fixed shapes, by this runner")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
@@ -142,22 +144,30 @@ def main() -> None:
     def decode(feats: Tensor) -> Generation:
         return beam_search(decoder, feats, beam_size=args.beam_size, **settings)
 
-    for _ in range(2):  # warm-up: allocator, kernels, both batch shapes
-        decode(features[: args.batch_size])
+    modes = {"batched": lambda chunk: [decode(chunk)],
+             "one at a time": lambda chunk: [decode(chunk[i:i + 1]) for i in range(len(chunk))]}
+    if args.fast_beam:
+        fixed = FixedBeamSearch(decoder, args.fast_beam)
+        beam = BeamSettings(beam_size=args.beam_size, **settings)
+        modes[f"fast_beam {args.fast_beam}"] = lambda chunk: [fixed(chunk, beam)]
+    for _ in range(2):  # warm-up: allocator, kernels, both batch shapes, graphs
+        for run in modes.values():
+            run(features[: args.batch_size])
         for i in range(4):
             decode(features[i:i + 1])
     _sync(device)
 
     runs = []
     for r in range(args.repeats):
-        tb, ts, out_b, out_s = timed(decode, features, args.batch_size, device)
-        runs.append((tb, ts))
+        runs.append(timed(modes, features, args.batch_size, device))
         if args.repeats > 1:
-            log.info("run %d: batched %.2f s, one at a time %.2f s, speed-up %.1fx",
-                     r + 1, tb, ts, ts / tb)
-    tb = statistics.median(t for t, _ in runs)
-    ts = statistics.median(t for _, t in runs)
-    ratio = statistics.median(s / b for b, s in runs)
+            log.info("run %d: %s", r + 1, ", ".join(f"{name} {t:.2f} s"
+                                                   for name, (t, _) in runs[-1].items()))
+    seconds = {name: statistics.median(run[name][0] for run in runs) for name in modes}
+    ratio = statistics.median(run["one at a time"][0] / run["batched"][0] for run in runs)
+    outputs = {name: gens for name, (_, gens) in runs[-1].items()}
+    tb, ts, out_b, out_s = (seconds["batched"], seconds["one at a time"], outputs["batched"],
+                            outputs["one at a time"])
     n = features.size(0)
     steps = sum(int(g.lengths.max()) for g in out_s) / n
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -170,6 +180,13 @@ def main() -> None:
     print(f"  one at a time:        {n / ts:8.1f} images/s  ({ts:.2f} s)")
     print(f"  speed-up: {ratio:.1f}x   mean steps per image: {steps:.1f}   "
           f"same captions: {same_captions(out_b, out_s)}/{n}")
+    if args.fast_beam:
+        name = f"fast_beam {args.fast_beam}"
+        tf = seconds[name]
+        faster = statistics.median(run["batched"][0] / run[name][0] for run in runs)
+        print(f"  {name} ({args.batch_size}/call): {n / tf:8.1f} images/s  ({tf:.2f} s), "
+              f"{faster:.2f}x batched; same captions as batched: "
+              f"{same_captions(out_b, outputs[name])}/{n}")
 
 if __name__ == "__main__":
     main()

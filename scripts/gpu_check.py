@@ -26,7 +26,9 @@ Stages (rows of the table):
 * `uncached`: training that decodes JPEGs (640x480, COCO's usual size) in 8 DataLoader workers
   and runs VGG-19 on every batch, with the share of step time spent waiting for data;
 * `beam`: beam search captions/s at beam 3 and 5, 100 and 500 images per batch (bf16-mixed;
-  `<end>` disabled, so that every caption runs 20 steps);
+  `<end>` disabled, so that every caption runs 20 steps), by `decoding.beam_search`
+  (`fast_beam: off`) and over fixed shapes, a step replayed as a CUDA graph (`graphs`), with
+  its speed-up;
 * `overlay`: `captioning.viz.render_strips` strips/s on the device (64 captions x 16 words,
   224 px, 14x14 grid, bicubic);
 * `profile`: the headline setting's eager and fast-path steps under `torch.profiler`
@@ -87,6 +89,8 @@ from bench.workers import WORKERS, build_run
 log = logging.getLogger("gpu_check")
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Beam search's rows: `decoding.beam_search`, then the fixed shapes' step as a CUDA graph.
+FAST_BEAMS = ("off", "graphs")
 STAGES = ("tests", "train", "coco", "uncached", "beam", "overlay", "profile", "ddp")
 COCO_TRAIN_IMAGES = 113_287  # Karpathy's COCO train split, restval included
 TESTS_SHARE = 0.4  # with --deadline-s: of the time left when the GPU tests are waited for
@@ -372,15 +376,19 @@ def stage_coco(check: Check, prepared: tuple[dict[str, Any], str] | None = None)
 def stage_beam(check: Check) -> None:
     """Every beam size and batch in one worker process (one model, one cache)."""
     images = 20 if check.cpu else 1000
-    settings = [[beam, batch] for beam in (3, 5) for batch in ((5, 10) if check.cpu else
-                                                               (100, 500))]
+    settings = [[beam, batch, fast] for beam in (3, 5)
+                for batch in ((5, 10) if check.cpu else (100, 500)) for fast in FAST_BEAMS]
     spec = {**check.base, "kind": "beam", "attention": "soft", "num_workers": 0,
             "precision": "bf16-mixed", "max_len": 20, "beam_images": images,
             "settings": settings}
-    for (beam, batch), res in zip(settings, check.run(spec)["rows"]):
-        check.add("beam search", f"beam {beam}, {batch} images per batch",
-                  f"{res['captions_per_s']:.1f} captions/s", step_ms=f"{res['step_ms']:.0f}",
-                  peak=f"{res['peak_mb']:.0f}", notes=res["notes"])
+    eager: dict[tuple[int, int], float] = {}
+    for (beam, batch, fast), res in zip(settings, check.run(spec)["rows"]):
+        rate = res["captions_per_s"]
+        eager.setdefault((beam, batch), rate)  # the first of each pair: fast_beam off
+        versus = "" if fast == "off" else f"; {rate / eager[(beam, batch)]:.2f}x off's"
+        check.add("beam search", f"beam {beam}, {batch} images per batch, fast_beam {fast}",
+                  f"{rate:.1f} captions/s", step_ms=f"{res['step_ms']:.0f}",
+                  peak=f"{res['peak_mb']:.0f}", notes=res["notes"] + versus)
 
 
 def stage_overlay(check: Check) -> None:

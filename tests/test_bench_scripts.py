@@ -41,5 +41,8 @@ def test_benchmark_beam_with_a_checkpoint_and_images(trained: Trained) -> None:
     images = [str(p) for p in trained.images[:3]]
     out = _run(["scripts/benchmark_beam.py", "--checkpoint", str(trained.checkpoint),
                 "--images", *images, "--n", "3", "--beam-size", "2", "--batch-size", "2",
-                "--max-len", "4", "--device", "cpu", "--threads", "1"])
+                "--max-len", "4", "--device", "cpu", "--threads", "1", "--fast-beam", "fixed"])
     assert "batched (2/call):" in out.stdout and "same captions: 3/3" in out.stdout
+    # over fixed shapes too (captions of this model end at several steps), a padded last batch
+    assert "fast_beam fixed (2/call):" in out.stdout
+    assert "same captions as batched: 3/3" in out.stdout

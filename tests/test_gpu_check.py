@@ -51,7 +51,9 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     seconds = json.loads((tmp_path / "check.json").read_text())["seconds"]
     assert {"train", "beam", "coco", "profile", "overlay"} <= seconds.keys()
     assert "seconds per stage: " in out.stdout
-    assert len(by_stage["beam search"]) == 4  # beam 3 and 5, two batch sizes
+    beams = by_stage["beam search"]
+    assert len(beams) == 8  # beam 3 and 5, two batch sizes, fast_beam off and graphs
+    assert sum("fast_beam graphs" in str(row) and "x off's" in str(row) for row in beams) == 4
     assert by_stage["gpu tests"][0]["result"].endswith(" 0 failed")
     assert "of 256 grids" in by_stage["train COCO-size"][0]["notes"]  # says how many
     assert "WARNING" not in by_stage["train COCO-size"][0]["notes"]  # the synthetic cache hit

@@ -164,8 +164,9 @@ def worker_profile(spec: dict[str, Any]) -> dict[str, Any]:
 
 def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
     """Beam search on the cached val features (repeated up to `beam_images`), every caption
-    `max_len` steps, at each `settings` ([[beam, batch], ...]; default: `beam_size` and
-    `batch_size`) in turn, in this one process: `{"rows": [result per setting]}`."""
+    `max_len` steps, at each `settings` ([[beam, batch], ...] or [[beam, batch, fast_beam],
+    ...]: `Captioner.use_fast_beam`, default off; default: `beam_size` and `batch_size`) in
+    turn, in this one process: `{"rows": [result per setting]}`."""
     import lightning.pytorch as L
     import torch
 
@@ -193,8 +194,9 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def measure(beam: int, b: int) -> dict[str, Any]:
+    def measure(beam: int, b: int, fast_beam: str = "off") -> dict[str, Any]:
         module.decode = replace(module.decode, beam_size=beam)
+        module.captioner.use_fast_beam(fast_beam)  # type: ignore[arg-type]
         with torch.inference_mode(), autocast:
             module.generate(feats[:b])  # warm-up
             if device.type == "cuda":
@@ -203,10 +205,10 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
         return {"captions_per_s": len(feats) / dt, "step_ms": 1e3 * dt / -(-len(feats) // b),
                 "peak_mb": peak_memory_mb(spec["device"]),
                 "notes": f"beam {beam}, {spec['max_len']} steps, batch {b}, "
-                         f"{len(feats)} images"}
+                         f"{len(feats)} images, fast_beam {fast_beam}"}
 
     settings = spec.get("settings") or [[spec["beam_size"], spec["batch_size"]]]
-    return {"rows": [measure(beam, b) for beam, b in settings]}
+    return {"rows": [measure(*setting) for setting in settings]}
 
 
 def worker_coco_index(spec: dict[str, Any]) -> dict[str, Any]:
