@@ -273,6 +273,46 @@ class BeamSettings:
                              f"got {self.num_captions}")
 
 
+def top_candidates(beam_scores: Tensor, log_probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The 2k best one-word extensions of each image's k beams (n, k) by log p (n·k, V): their
+    scores, source beams and words, (n, 2k) each. 2k always hold >= k that do not end: <end>
+    is one word per beam."""
+    (n, k), V = beam_scores.shape, log_probs.size(-1)
+    cand = (beam_scores.unsqueeze(-1) + log_probs.view(n, k, V)).view(n, k * V)
+    top, index = cand.topk(min(2 * k, k * V), dim=1)
+    return top, torch.div(index, V, rounding_mode="floor"), index % V  # integer arithmetic
+
+
+def end_norms(top: Tensor, word: Tensor, length: Tensor, length_penalty: float,
+              searching: Tensor | None = None) -> Tensor:
+    """The normalised scores (n, k) of the top k candidates that end (an <end> among them, as in
+    fairseq, so k = 1 is greedy; `searching` (n, 1): only for images still searching), -inf
+    for the others: what competes with each image's n best finished hypotheses."""
+    is_end = (word == IDS.end) & torch.isfinite(top)
+    if searching is not None:
+        is_end &= searching
+    return torch.where(is_end, length_normalised(top, length, length_penalty), NEG_INF)
+
+
+def live_beams(top: Tensor, src: Tensor, word: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The best k candidates (n, 2k) that did not end: their scores, source beams and words."""
+    scores, order = torch.where(word == IDS.end, NEG_INF, top).topk(k, dim=1)  # (n, k)
+    return scores, src.gather(1, order), word.gather(1, order)
+
+
+def search_over(beam_scores: Tensor, worst: Tensor, length: int | Tensor,
+                settings: BeamSettings) -> Tensor:
+    """(n,) whether no live beam can beat the image's n-th best finished hypothesis (`worst`,
+    norm). Raw scores only fall as words are added, so with α > 0 the best a live beam can
+    reach is its score normalised by the longest allowed length."""
+    best_live = beam_scores.max(dim=1).values
+    lp = settings.length_penalty
+    bound_len = settings.max_len if lp > 0 else length
+    lengths = (bound_len.expand_as(best_live) if isinstance(bound_len, Tensor)
+               else torch.full_like(best_live, bound_len))
+    return torch.isfinite(worst) & (worst >= length_normalised(best_live, lengths, lp))
+
+
 @torch.no_grad()
 def beam_search(
     decoder: StepDecoder,
@@ -292,7 +332,7 @@ def beam_search(
     finished one, and its rows leave the batch. Slots with no finished hypothesis by `max_len`
     take the image's best live beams, after its finished ones (`finished` False).
     """
-    BeamSettings(beam_size, max_len, length_penalty, forbid_unk, num_captions)  # checked
+    settings = BeamSettings(beam_size, max_len, length_penalty, forbid_unk, num_captions)
     N, L = features.size(0), features.size(1)
     k, nb, device = beam_size, num_captions, features.device
     memory, state = start_rows(decoder, features, k)  # (N·k, ...)
@@ -310,22 +350,14 @@ def beam_search(
     for t in range(max_len):
         n = alive.numel()
         log_probs, state, alpha = decoder.step(tokens, state, memory)
-        V = log_probs.size(-1)
         log_probs = ban_in_place(log_probs, forbid_unk)
-        cand = (beam_scores.unsqueeze(-1) + log_probs.view(n, k, V)).view(n, k * V)
-        # 2k candidates always hold >= k that do not end: <end> is one word per beam.
-        top_scores, top_idx = cand.topk(min(2 * k, k * V), dim=1)  # (n, 2k)
-        src_beam = torch.div(top_idx, V, rounding_mode="floor")  # integer arithmetic only
-        word = top_idx % V
+        top_scores, src_beam, word = top_candidates(beam_scores, log_probs)  # (n, 2k)
         length = t + 1
 
-        # Finished candidates: an <end> among the top k (as in fairseq, so k = 1 is greedy)
-        # competes with each image's n best finished hypotheses so far; a stable sort keeps
-        # the older one on ties.
-        is_end = (word[:, :k] == IDS.end) & torch.isfinite(top_scores[:, :k])
-        norm = length_normalised(top_scores[:, :k], torch.full_like(word[:, :k], length),
-                                 length_penalty)
-        norm = torch.where(is_end, norm, torch.full_like(norm, NEG_INF))  # (n, k)
+        # Finished candidates compete with each image's n best finished hypotheses so far; a
+        # stable sort keeps the older one on ties.
+        norm = end_norms(top_scores[:, :k], word[:, :k], torch.full_like(word[:, :k], length),
+                         length_penalty)  # (n, k)
         merged = torch.cat([fin.norm[alive], norm], dim=1)  # (n, nb + k)
         order = merged.sort(dim=1, descending=True, stable=True).indices[:, :nb]  # (n, nb)
         changed = (order >= nb).any(dim=1)
@@ -349,11 +381,7 @@ def beam_search(
                      merged[local].gather(1, pick), top_scores[local].gather(1, j), length,
                      tok, alphas, locs)
 
-        # Live candidates: the best k that did not end.
-        live_scores = torch.where(word == IDS.end, torch.full_like(top_scores, NEG_INF), top_scores)
-        beam_scores, order = live_scores.topk(k, dim=1)  # (n, k)
-        src = src_beam.gather(1, order)
-        new_word = word.gather(1, order)
+        beam_scores, src, new_word = live_beams(top_scores, src_beam, word, k)  # (n, k)
         rows = (torch.arange(n, device=device).unsqueeze(1) * k + src).view(-1)  # (n·k,)
         state = type(state)(*(x.index_select(0, rows) for x in state))
         alpha_rows = alpha.float().index_select(0, rows).view(n, k, 1, L)
@@ -365,15 +393,7 @@ def beam_search(
                               state.location.view(n, k, 1)], dim=2)
         tokens = new_word.view(-1)
 
-        # An image is done once no live beam can beat its n-th best finished hypothesis. Raw
-        # scores only fall as words are added, so with α >= 0 the best a live beam can reach is
-        # its score normalised by the longest allowed length.
-        best_live = beam_scores.max(dim=1).values
-        bound_len = max_len if length_penalty > 0 else length
-        bound = length_normalised(best_live, torch.full_like(best_live, bound_len),
-                                  length_penalty)
-        worst = fin.norm[alive, -1]
-        done = torch.isfinite(worst) & (worst >= bound)
+        done = search_over(beam_scores, fin.norm[alive, -1], length, settings)
         if bool(done.all()) or t == max_len - 1:
             break
         if bool(done.any()):  # finished images leave the batch

@@ -26,8 +26,11 @@ from captioning.models.decoding import (
     Generation,
     StepDecoder,
     ban_in_place,
-    length_normalised,
+    end_norms,
+    live_beams,
+    search_over,
     start_rows,
+    top_candidates,
 )
 from captioning.models.fast_path import COMPILE_OPTIONS
 from captioning.models.state import DecoderState, Memory
@@ -71,32 +74,24 @@ def beam_step(decoder: StepDecoder, memory: Memory, carry: Carry, t: Tensor,
     """Step t (a 0-d tensor, so that one graph serves every step) of every image's k beams."""
     k, n = settings.beam_size, carry.done.size(0)
     log_probs, state, alpha = decoder.step(carry.tokens, carry.state, memory)
-    V = log_probs.size(-1)
     log_probs = ban_in_place(log_probs, settings.forbid_unk)
-    cand = (carry.scores.unsqueeze(-1) + log_probs.view(n, k, V)).view(n, k * V)
-    # 2k candidates always hold >= k that do not end: <end> is one word per beam.
-    top, index = cand.topk(min(2 * k, k * V), dim=1)  # (n, 2k)
-    src = torch.div(index, V, rounding_mode="floor")
-    word = index % V
+    top, src, word = top_candidates(carry.scores, log_probs)  # (n, 2k)
     length = (t + 1).expand(n, k)  # (n, k)
     pool = _pooled(carry, top[:, :k], word[:, :k], src[:, :k], length, t, settings)
-    live = torch.where(word == IDS.end, NEG_INF, top)  # the best k that did not end
-    scores, order = live.topk(k, dim=1)  # (n, k)
-    parent, new_word = src.gather(1, order), word.gather(1, order)
+    scores, parent, new_word = live_beams(top, src, word, k)  # (n, k)
     rows = (torch.arange(n, device=parent.device).unsqueeze(1) * k + parent).view(-1)
     next_state = type(state)(*(x.index_select(0, rows) for x in state))
-    done = carry.done | _over(scores, pool.norm[:, -1], t + 1, settings)
+    done = carry.done | search_over(scores, pool.norm[:, -1], t + 1, settings)
     record = Record(alpha.float().view(n, k, -1), state.location.view(n, k), parent, new_word)
     return Carry(new_word.view(-1), next_state, scores, done, pool), record
 
 
 def _pooled(carry: Carry, top: Tensor, word: Tensor, src: Tensor, length: Tensor, t: Tensor,
             settings: BeamSettings) -> Pool:
-    """An <end> among the top k (as in fairseq, so k = 1 is greedy) competes with the image's
-    n best so far; a stable sort keeps the older one on ties. A done image's pool stays."""
+    """The top k's <end>s (`end_norms`) compete with the image's n best so far; a stable sort
+    keeps the older one on ties. A done image's pool stays."""
     old, n = carry.pool, carry.done.size(0)
-    is_end = (word == IDS.end) & torch.isfinite(top) & ~carry.done.unsqueeze(1)
-    norm = torch.where(is_end, length_normalised(top, length, settings.length_penalty), NEG_INF)
+    norm = end_norms(top, word, length, settings.length_penalty, ~carry.done.unsqueeze(1))
     merged = torch.cat([old.norm, norm], dim=1)  # (n, n_best + k)
     order = merged.sort(dim=1, descending=True, stable=True).indices[:, :settings.num_captions]
 
@@ -105,17 +100,6 @@ def _pooled(carry: Carry, top: Tensor, word: Tensor, src: Tensor, length: Tensor
 
     return Pool(merged.gather(1, order), pick(old.score, top), pick(old.length, length),
                 pick(old.step, t.expand(n, word.size(1))), pick(old.row, src))
-
-
-def _over(scores: Tensor, worst: Tensor, length: Tensor, settings: BeamSettings) -> Tensor:
-    """Whether no live beam can beat the image's n-th best finished hypothesis. Raw scores only
-    fall as words are added, so with α > 0 the best a live beam can reach is its score
-    normalised by the longest allowed length."""
-    best_live = scores.max(dim=1).values  # (n,)
-    lp = settings.length_penalty
-    bound_len = torch.full_like(best_live, settings.max_len) if lp > 0 else length
-    bound = length_normalised(best_live, bound_len.expand_as(best_live), lp)
-    return torch.isfinite(worst) & (worst >= bound)
 
 
 class History(NamedTuple):
