@@ -140,3 +140,60 @@ def test_caption_and_predict_with_a_fast_beam_give_the_same_captions(
                          "cpu", "--num-workers", "0", *paths]) == 0
     assert sorted(r["caption"] for r in json.loads(out.read_text())) == \
         sorted(ln.split("\t")[1] for ln in by_caption[0])
+
+
+def test_graphed_buffers_made_under_inference_mode_serve_no_grad_too() -> None:
+    """`caption` decodes under inference_mode, `Captioner.captions` under no_grad: the static
+    buffers of one GraphedSearch serve both (uncaptured here: the same in-place step)."""
+    dec = make_decoder(4)
+    search = FixedBeamSearch(dec, "graphs")
+    settings = BeamSettings(beam_size=3, max_len=8, num_captions=2)
+    f = features(4)
+    want = beam_search(dec, f, **vars(settings))
+    with torch.inference_mode():
+        assert_same(want, search(f, settings))
+    with torch.no_grad():
+        assert_same(want, search(f, settings))
+    assert len(search.graphed) == 1
+
+
+def test_a_graph_is_captured_again_when_the_weights_move_or_the_mode_changes() -> None:
+    dec = make_decoder(5)
+    search = FixedBeamSearch(dec, "graphs")
+    settings = BeamSettings(beam_size=2, max_len=6)
+    f = features(3)
+    search(f, settings)
+    first = next(iter(search.graphed.values()))
+    search(f, settings)
+    assert list(search.graphed.values()) == [first]  # the same shape: replayed
+    dec.double().float()  # a round trip, as Lightning's teardown to the CPU and back: new storage
+    assert_same(beam_search(dec, f, **vars(settings)), search(f, settings))
+    dec.train()
+    search(f, settings)
+    dec.eval()
+    kept = list(search.graphed.values())  # the first, then one for the new storage, one for train
+    assert len(kept) == 3 and kept[0] is first
+    for n in (1, 5, 6, 7, 8):  # a fifth batch size: the least recently used goes
+        search(features(n), settings)
+    assert len(search.graphed) == 4
+
+
+def test_batches_under_a_quarter_of_the_most_run_at_a_power_of_two() -> None:
+    search = FixedBeamSearch(make_decoder(0), "fixed")
+    assert [search.rows(n) for n in (100, 30, 25, 24, 9, 3, 1)] == [100, 100, 100, 32, 16, 4, 1]
+
+
+def test_compile_over_the_native_cpu_kernels_runs_its_steps_uncompiled(
+        counted_compile: Any, caplog: pytest.LogCaptureFixture) -> None:
+    dec = make_decoder(6)
+    dec.use_fast_path("native")
+    if dec.fast_path != "native":
+        pytest.skip("no native kernels built here")
+    search = FixedBeamSearch(dec, "compile")
+    settings = BeamSettings(beam_size=3, max_len=8)
+    for seed in (0, 1):
+        f = features(4, seed)
+        assert_same(beam_search(dec, f, **vars(settings)), search(f, settings))
+    assert counted_compile.frame_count == 0
+    said = [r for r in caplog.records if "cannot be traced" in r.getMessage()]
+    assert len(said) == 1  # once

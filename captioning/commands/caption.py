@@ -171,7 +171,8 @@ def add_fast_beam_flag(p: argparse.ArgumentParser) -> None:
     """`--fast-beam`, which `caption` and `predict` share (`Captioner.use_fast_beam`)."""
     p.add_argument("--fast-beam", choices=("off", "fixed", "compile", "graphs"), default="off",
                    help="beam search over fixed shapes, the same captions: fixed, compiled, "
-                        "or replayed as CUDA graphs (graphs: one graph a batch size)")
+                        "or replayed as CUDA graphs (the same --batch-size for every batch "
+                        "replays one)")
 
 
 def output_problem(path: str | Path, *, folder: bool) -> str | None:

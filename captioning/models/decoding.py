@@ -268,6 +268,8 @@ class BeamSettings:
     def __post_init__(self) -> None:
         if self.beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {self.beam_size}")
+        if self.max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {self.max_len}")
         if not 1 <= self.num_captions <= self.beam_size:
             raise ValueError(f"num_captions must be in [1, beam_size={self.beam_size}], "
                              f"got {self.num_captions}")

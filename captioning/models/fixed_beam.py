@@ -12,11 +12,13 @@ one CUDA graph and replayed (`graphs`). One wait a step remains: are all images 
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from captioning.choices import check_choice
 from captioning.models.decoding import (
@@ -34,6 +36,8 @@ from captioning.models.decoding import (
 )
 from captioning.models.fast_path import COMPILE_OPTIONS
 from captioning.models.state import DecoderState, Memory
+
+log = logging.getLogger(__name__)
 
 BeamRunner = Literal["fixed", "compile", "graphs"]
 FastBeam = Literal["off", "fixed", "compile", "graphs"]  # off: `decoding.beam_search`
@@ -191,26 +195,37 @@ def _cloned(carry: Carry) -> Carry:
 class GraphedSearch:
     """One batch shape's search over static buffers: each `replay` runs a step, records it,
     moves the carry on in place and counts the step. With `capture` (on CUDA) that is one CUDA
-    graph's replay; without it the same in-place step runs as it is (the CPU's tests)."""
+    graph's replay; without it the same in-place step runs as it is (the CPU's tests). The
+    buffers are ordinary tensors even when made under `inference_mode`, so that a later call
+    under `no_grad` can refill them."""
 
     def __init__(self, decoder: StepDecoder, settings: BeamSettings, memory: Memory,
-                 carry: Carry, history: History, *, capture: bool = True) -> None:
+                 carry: Carry, *, capture: bool = True) -> None:
+        if memory.rows is not None:
+            raise ValueError("GraphedSearch needs the memory of every row (memory.rows is set)")
         self.decoder, self.settings = decoder, settings
-        self.key = _shape_key(settings, memory)
-        self.memory = Memory(memory.values.clone(), memory.keys.clone())
-        self.carry, self.history = _cloned(carry), history
-        self.t = torch.zeros((), dtype=torch.long, device=carry.done.device)
-        self.all_done = torch.zeros((), dtype=torch.bool, device=carry.done.device)
+        self.key = graph_key(decoder, settings, memory)
+        device = carry.done.device
+        with torch.inference_mode(False):
+            self.memory = Memory(memory.values.clone(), memory.keys.clone())
+            self.carry = _cloned(carry)
+            n, k = carry.scores.shape
+            self.history = History.empty(settings.max_len, n, k, memory.values.size(1), device)
+            self.t = torch.zeros((), dtype=torch.long, device=device)
+            self.all_done = torch.zeros((), dtype=torch.bool, device=device)
         self.replay: Callable[[], object] = self.step
         if capture:  # `run` sets every buffer again: the warm-up step leaves nothing behind
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), _uncached_autocast():  # kernels, cuBLAS' workspace
-                self.step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), _uncached_autocast():
-                self.step()
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side), _uncached_autocast():  # kernels, cuBLAS' workspace
+                    self.step()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the loader's pin-memory thread may call CUDA meanwhile
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"), \
+                        _uncached_autocast():
+                    self.step()
             self.replay = graph.replay
 
     def step(self) -> None:
@@ -245,18 +260,28 @@ def _uncached_autocast() -> torch.autocast:
                           enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
 
 
-def _shape_key(settings: BeamSettings, memory: Memory) -> tuple[object, ...]:
-    return (settings, tuple(memory.values.shape), memory.values.dtype,
-            tuple(memory.keys.shape), memory.keys.dtype, memory.values.device,
-            torch.is_autocast_enabled("cuda"))
+def graph_key(decoder: StepDecoder, settings: BeamSettings, memory: Memory) -> tuple[object, ...]:
+    """What a captured step depends on besides its buffers' values: the settings, the shapes,
+    autocast and matmul precision, the decoder's mode and its weights' addresses (a model
+    moved off the device and back holds new ones)."""
+    weights = [*decoder.parameters(), *decoder.buffers()] if isinstance(decoder, nn.Module) else []
+    return (settings, tuple(memory.values.shape), memory.values.dtype, tuple(memory.keys.shape),
+            memory.keys.dtype, memory.values.device, torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"), torch.get_float32_matmul_precision(),
+            getattr(decoder, "training", None), getattr(decoder, "step_rule", None),
+            getattr(decoder, "fast_path", None), tuple(w.data_ptr() for w in weights))
+
+
+GRAPHS_KEPT = 4  # captured searches kept, the least recently used dropped first
 
 
 class FixedBeamSearch:
     """`decoding.beam_search`'s captions by `beam_step` over fixed shapes, run by `runner`:
     `fixed` (uncompiled: what the others must equal), `compile` (one compiled graph for every
-    step of a batch shape) or `graphs` (a step captured as a CUDA graph and replayed, the last
-    shape's kept; off CUDA, the same in-place step uncaptured: `GraphedSearch`). A batch of at least a quarter of the most images seen runs at that
-    many, the rest padding, so that an epoch's smaller last batch needs no graph of its own."""
+    step of a batch shape) or `graphs` (a step captured as a CUDA graph and replayed, the
+    `GRAPHS_KEPT` last used kept; off CUDA, the same in-place step uncaptured). A batch of at
+    least a quarter of the most images seen runs at that many, the rest padding, so that an
+    epoch's smaller last batch needs no graph of its own; a smaller one, at a power of two."""
 
     def __init__(self, decoder: StepDecoder, runner: BeamRunner = "compile") -> None:
         check_choice("beam runner", runner, BeamRunner)
@@ -264,12 +289,13 @@ class FixedBeamSearch:
         self.step = beam_step
         if runner == "compile":
             self.step = torch.compile(beam_step, dynamic=False, fullgraph=True, **COMPILE_OPTIONS)
-        self.graphed: GraphedSearch | None = None
+        self.graphed: OrderedDict[tuple[object, ...], GraphedSearch] = OrderedDict()
+        self.told_native = False
 
     def rows(self, batch: int) -> int:
         """The images a batch of `batch` runs at."""
         self.most = max(self.most, batch)
-        return self.most if 4 * batch >= self.most else batch
+        return self.most if 4 * batch >= self.most else 1 << (batch - 1).bit_length()
 
     @torch.no_grad()
     def __call__(self, features: Tensor, settings: BeamSettings) -> Generation:
@@ -278,28 +304,38 @@ class FixedBeamSearch:
         if rows > real:
             features = torch.cat([features, features.new_zeros(rows - real, *features.shape[1:])])
         memory, carry = start(self.decoder, features, settings, real)
-
-        def history() -> History:
-            return History.empty(settings.max_len, rows, settings.beam_size, features.size(1),
-                                 features.device)
-
         if self.runner == "graphs":
-            if self.graphed is None or self.graphed.key != _shape_key(settings, memory):
-                self.graphed = None  # its buffers go before the next one's are made
-                self.graphed = GraphedSearch(self.decoder, settings, memory, carry, history(),
-                                             capture=features.is_cuda)
-            carry, taken, steps = self.graphed.run(memory, carry)
+            carry, taken, steps = self._graphed(settings, memory, carry).run(memory, carry)
         else:
-            taken = history()
+            taken = History.empty(settings.max_len, rows, settings.beam_size,
+                                  features.size(1), features.device)
             carry, steps = self._loop(memory, carry, taken, settings)
         return trace_back(carry, taken, steps, real)
 
+    def _graphed(self, settings: BeamSettings, memory: Memory, carry: Carry) -> GraphedSearch:
+        key = graph_key(self.decoder, settings, memory)
+        if key in self.graphed:
+            self.graphed.move_to_end(key)
+            return self.graphed[key]
+        while len(self.graphed) >= GRAPHS_KEPT:  # its buffers go before the next one's are made
+            self.graphed.popitem(last=False)
+        self.graphed[key] = GraphedSearch(self.decoder, settings, memory, carry,
+                                          capture=memory.values.is_cuda)
+        return self.graphed[key]
+
     def _loop(self, memory: Memory, carry: Carry, history: History,
               settings: BeamSettings) -> tuple[Carry, int]:
+        step = self.step
+        if self.runner == "compile" and getattr(self.decoder, "fast_path", None) == "native":
+            if not self.told_native:  # once
+                log.warning("fast_beam compile: the decoder's native CPU kernels cannot be "
+                            "traced; its beam steps run uncompiled")
+                self.told_native = True
+            step = beam_step
         t = torch.zeros((), dtype=torch.long, device=carry.done.device)
         steps = 0
         while steps < settings.max_len:
-            carry, record = self.step(self.decoder, memory, carry, t, settings)
+            carry, record = step(self.decoder, memory, carry, t, settings)
             history.write(t, record)
             t, steps = t + 1, steps + 1
             if bool(carry.done.all()):
