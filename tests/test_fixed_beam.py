@@ -201,8 +201,8 @@ def test_compile_over_the_native_cpu_kernels_runs_its_steps_uncompiled(
 
 @pytest.mark.slow
 def test_inductor_compiles_the_step_to_the_same_captions() -> None:
-    """`compile` with Inductor itself (40 s of compiling here cold, 10 s warm): beam_search's captions for
-    a batch, and for a smaller one run padded through the same compiled graph."""
+    """`compile` with Inductor itself (40 s of compiling here cold, 10 s warm): beam_search's
+    captions for a batch, and for a smaller one run padded through the same compiled graph."""
     torch._dynamo.reset()
     dec = make_decoder(7)
     search = FixedBeamSearch(dec, "compile")
