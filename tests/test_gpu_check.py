@@ -102,10 +102,10 @@ def _check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str]
 
 def test_past_its_deadline_the_check_starts_nothing_and_lists_what_it_skipped(
         tmp_path: Path) -> None:
-    out, rows = _check(tmp_path, "--stages", "train,beam", "--deadline-s", "0")
+    out, rows = _check(tmp_path, "--stages", "beam,train", "--deadline-s", "0")
     assert out.returncode == 0, out.stderr[-4000:]
-    assert [(r["stage"], r["result"], r["notes"]) for r in rows] == [
-        ("train", "skipped", "past --deadline-s"), ("beam", "skipped", "past --deadline-s")]
+    assert [(r["stage"], r["result"], r["notes"]) for r in rows] == [  # in the order asked for
+        ("beam", "skipped", "past --deadline-s"), ("train", "skipped", "past --deadline-s")]
     assert "| train " in out.stdout and "skipped" in out.stdout  # the table still prints
 
 
