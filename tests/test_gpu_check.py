@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tiny_runs import REPO
@@ -158,3 +159,27 @@ def test_the_wheels_script_parses_and_pins_installed_packages() -> None:
     assert "jsonargparse" in names
     for name in names:
         assert importlib.metadata.version(name)
+
+
+def test_a_failed_beam_setting_is_its_own_failed_row(tmp_path: Path) -> None:
+    """The beam worker reports a setting that raised (a graph's capture, say) as that row's
+    error and goes on; the stage keeps the other rows, off's first, and fails the check."""
+    import gpu_check
+
+    check = gpu_check.Check(cpu=True, work=tmp_path, base={}, threads=None, coco_images=0)
+    asked: list[list[Any]] = []
+
+    def run(spec: dict[str, Any]) -> dict[str, Any]:
+        asked.extend(spec["settings"])
+        return {"rows": [{"error": "RuntimeError: capture failed"} if fast == "graphs" and
+                         beam == 5 else {"captions_per_s": 10.0 * (1 + (fast != "off")),
+                                         "step_ms": 1.0, "peak_mb": 0.0, "notes": "n"}
+                         for beam, _, fast in spec["settings"]]}
+
+    check.run = run  # type: ignore[method-assign]
+    gpu_check.stage_beam(check)
+    assert [fast for _, _, fast in asked] == ["off"] * 4 + ["graphs"] * 4
+    results = [(r["config"], r["result"]) for r in check.rows]
+    assert results[-2:] == [("beam 5, 5 images per batch, fast_beam graphs", "FAILED"),
+                            ("beam 5, 10 images per batch, fast_beam graphs", "FAILED")]
+    assert check.rows[4]["notes"] == "n; 2.00x off's" and check.failed

@@ -207,8 +207,14 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
                 "notes": f"beam {beam}, {spec['max_len']} steps, batch {b}, "
                          f"{len(feats)} images, fast_beam {fast_beam}"}
 
+    def measured(setting: list[Any]) -> dict[str, Any]:
+        try:
+            return measure(*setting)
+        except Exception as e:  # one setting's failure (a graph's capture, say) is its row's
+            return {"error": f"{type(e).__name__}: {e}"[:300]}
+
     settings = spec.get("settings") or [[spec["beam_size"], spec["batch_size"]]]
-    return {"rows": [measure(*setting) for setting in settings]}
+    return {"rows": [measured(setting) for setting in settings]}
 
 
 def worker_coco_index(spec: dict[str, Any]) -> dict[str, Any]:
