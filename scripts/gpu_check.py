@@ -29,7 +29,7 @@ Stages (rows of the table):
 * `beam`: beam search captions/s at beam 3 and 5, 100 and 500 images per batch (bf16-mixed;
   `<end>` disabled, so that every caption runs 20 steps), by `decoding.beam_search`
   (`fast_beam: off`) and over fixed shapes, a step replayed as a CUDA graph (`graphs`), with
-  its speed-up;
+  its speed-up (off's rows first; a setting that raises is its own FAILED row);
 * `overlay`: `captioning.viz.render_strips` strips/s on the device (64 captions x 16 words,
   224 px, 14x14 grid, bicubic);
 * `profile`: the headline setting's eager and fast-path steps under `torch.profiler`
