@@ -211,3 +211,19 @@ def test_inductor_compiles_the_step_to_the_same_captions() -> None:
         f = features(n, seed)
         assert_same(beam_search(dec, f, **vars(settings)), search(f, settings))
     torch._dynamo.reset()
+
+
+def test_the_graphs_key_reads_matmul_precision_set_by_either_api() -> None:
+    """torch.get_float32_matmul_precision() raises once the legacy and new precision APIs are
+    mixed; the key reads the flags themselves."""
+    matmul = torch.backends.cuda.matmul
+    old = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError):  # what the key must not call
+            torch.get_float32_matmul_precision()
+        search = FixedBeamSearch(make_decoder(8), "graphs")
+        search(features(2), BeamSettings(beam_size=2, max_len=4))
+        assert len(search.graphed) == 1
+    finally:
+        matmul.fp32_precision = old

@@ -206,7 +206,7 @@ class GraphedSearch:
         self.decoder, self.settings = decoder, settings
         self.key = graph_key(decoder, settings, memory)
         device = carry.done.device
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), torch.no_grad():
             self.memory = Memory(memory.values.clone(), memory.keys.clone())
             self.carry = _cloned(carry)
             n, k = carry.scores.shape
@@ -223,7 +223,7 @@ class GraphedSearch:
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the loader's pin-memory thread may call CUDA meanwhile
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"), \
+                with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"), \
                         _uncached_autocast():
                     self.step()
             self.replay = graph.replay
@@ -265,11 +265,14 @@ def graph_key(decoder: StepDecoder, settings: BeamSettings, memory: Memory) -> t
     autocast and matmul precision, the decoder's mode and its weights' addresses (a model
     moved off the device and back holds new ones)."""
     weights = [*decoder.parameters(), *decoder.buffers()] if isinstance(decoder, nn.Module) else []
+    matmul = torch.backends.cuda.matmul  # fp32_precision: the legacy reads can raise
     return (settings, tuple(memory.values.shape), memory.values.dtype, tuple(memory.keys.shape),
             memory.keys.dtype, memory.values.device, torch.is_autocast_enabled("cuda"),
-            torch.get_autocast_dtype("cuda"), torch.get_float32_matmul_precision(),
+            torch.get_autocast_dtype("cuda"), matmul.fp32_precision,
+            matmul.allow_bf16_reduced_precision_reduction,
+            matmul.allow_fp16_reduced_precision_reduction,
             getattr(decoder, "training", None), getattr(decoder, "step_rule", None),
-            getattr(decoder, "fast_path", None), tuple(w.data_ptr() for w in weights))
+            getattr(decoder, "fast_path", None), tuple((w.data_ptr(), w.dtype) for w in weights))
 
 
 GRAPHS_KEPT = 4  # captured searches kept, the least recently used dropped first
