@@ -204,7 +204,6 @@ class GraphedSearch:
         if memory.rows is not None:
             raise ValueError("GraphedSearch needs the memory of every row (memory.rows is set)")
         self.decoder, self.settings = decoder, settings
-        self.key = graph_key(decoder, settings, memory)
         device = carry.done.device
         with torch.inference_mode(False), torch.no_grad():
             self.memory = Memory(memory.values.clone(), memory.keys.clone())
