@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import re
@@ -375,15 +376,23 @@ def stage_coco(check: Check, prepared: tuple[dict[str, Any], str] | None = None)
 
 
 def stage_beam(check: Check) -> None:
-    """Every beam size and batch in one worker process (one model, one cache)."""
+    """Every beam size and batch in one worker process (one model, one cache). Each row is
+    kept as the worker measures it: one killed at the deadline leaves the rows it finished."""
     images = 20 if check.cpu else 1000
     settings = [[beam, batch, fast] for fast in FAST_BEAMS for beam in (3, 5)  # off's rows first:
                 for batch in ((5, 10) if check.cpu else (100, 500))]  # kept if graphs fail
+    rows_file = check.work / "beam_rows.jsonl"
+    rows_file.unlink(missing_ok=True)
     spec = {**check.base, "kind": "beam", "attention": "soft", "num_workers": 0,
             "precision": "bf16-mixed", "max_len": 20, "beam_images": images,
-            "settings": settings}
+            "settings": settings, "rows_file": str(rows_file)}
+    killed = None
+    try:
+        rows = check.run(spec)["rows"]
+    except PastDeadline as e:
+        rows, killed = finished_rows(rows_file), e
     eager: dict[tuple[int, int], float] = {}
-    for (beam, batch, fast), res in zip(settings, check.run(spec)["rows"]):
+    for (beam, batch, fast), res in zip(settings, rows):
         config = f"beam {beam}, {batch} images per batch, fast_beam {fast}"
         if "error" in res:  # this setting failed; the worker went on with the next
             check.failed = True
@@ -397,6 +406,23 @@ def stage_beam(check: Check) -> None:
         check.add("beam search", config, f"{rate:.1f} captions/s",
                   step_ms=f"{res['step_ms']:.0f}", peak=f"{res['peak_mb']:.0f}",
                   notes=res["notes"] + versus)
+    if killed is not None:
+        check.add("beam search", f"the other {len(settings) - len(rows)} settings",
+                  str(killed), notes="past --deadline-s")
+
+
+def finished_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows a worker appended to `path` (JSON lines) before it was killed; a line cut
+    short by the kill is not one."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
 
 
 def stage_overlay(check: Check) -> None:

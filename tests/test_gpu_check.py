@@ -55,6 +55,8 @@ def test_cpu_fallback_prints_every_stage(tmp_path: Path) -> None:
     beams = by_stage["beam search"]
     assert len(beams) == 8  # beam 3 and 5, two batch sizes, fast_beam off and graphs
     assert sum("fast_beam graphs" in str(row) and "x off's" in str(row) for row in beams) == 4
+    # each image's best caption compared with off's (the same here: one machine, one kernel)
+    assert sum("20/20 best captions as off's" in row["notes"] for row in beams) == 4
     assert by_stage["gpu tests"][0]["result"].endswith(" 0 failed")
     assert "of 256 grids" in by_stage["train COCO-size"][0]["notes"]  # says how many
     assert "WARNING" not in by_stage["train COCO-size"][0]["notes"]  # the synthetic cache hit
@@ -183,3 +185,28 @@ def test_a_failed_beam_setting_is_its_own_failed_row(tmp_path: Path) -> None:
     assert results[-2:] == [("beam 5, 5 images per batch, fast_beam graphs", "FAILED"),
                             ("beam 5, 10 images per batch, fast_beam graphs", "FAILED")]
     assert check.rows[4]["notes"] == "n; 2.00x off's" and check.failed
+
+
+def test_a_beam_worker_killed_at_the_deadline_leaves_the_rows_it_finished(
+        tmp_path: Path) -> None:
+    """The worker appends each row as it is measured; killed, its finished rows (not a line
+    the kill cut short) are the stage's, and one row says what was not run."""
+    import gpu_check
+
+    check = gpu_check.Check(cpu=True, work=tmp_path, base={}, threads=None, coco_images=0)
+    (tmp_path / "beam_rows.jsonl").write_text("left by an earlier run\n")
+
+    def run(spec: dict[str, Any]) -> dict[str, Any]:
+        row = {"captions_per_s": 10.0, "step_ms": 1.0, "peak_mb": 0.0, "notes": "n"}
+        with open(spec["rows_file"], "a") as f:
+            f.write("".join(json.dumps(row) + "\n" for _ in range(3)) + '{"captions_per')
+        raise gpu_check.PastDeadline("killed at --deadline-s")
+
+    check.run = run  # type: ignore[method-assign]
+    gpu_check.stage_beam(check)
+    assert [(r["config"], r["result"]) for r in check.rows] == [
+        ("beam 3, 5 images per batch, fast_beam off", "10.0 captions/s"),
+        ("beam 3, 10 images per batch, fast_beam off", "10.0 captions/s"),
+        ("beam 5, 5 images per batch, fast_beam off", "10.0 captions/s"),
+        ("the other 5 settings", "killed at --deadline-s")]
+    assert check.rows[-1]["notes"] == "past --deadline-s" and not check.failed

@@ -171,15 +171,20 @@ def sample_search(
     return gen
 
 
-def start_rows(decoder: StepDecoder, features: Tensor, k: int) -> tuple[Memory, DecoderState]:
+def start_rows(decoder: StepDecoder, features: Tensor, k: int, *,
+               repeat_memory: bool = True) -> tuple[Memory, DecoderState]:
     """The memory and initial state of each image, computed once and repeated for its k rows
-    (image-major)."""
+    (image-major). `repeat_memory` False: the memory stays one row per image (N, ...), for a
+    caller that copies it into rows of its own."""
     memory = decoder.memory(features)
     state = decoder.init_state(memory)
     if k == 1:
         return memory, state
+    state = type(state)(*(x.repeat_interleave(k, dim=0) for x in state))
+    if not repeat_memory:
+        return memory, state
     rows = torch.arange(features.size(0), device=features.device).repeat_interleave(k)
-    return memory.select(rows), type(state)(*(x.repeat_interleave(k, dim=0) for x in state))
+    return memory.select(rows), state
 
 
 def _sample_loop(decoder: StepDecoder, memory: Memory, state: DecoderState, *,

@@ -12,7 +12,6 @@ one CUDA graph and replayed (`graphs`). One wait a step remains: are all images 
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal, NamedTuple
@@ -36,8 +35,6 @@ from captioning.models.decoding import (
 )
 from captioning.models.fast_path import COMPILE_OPTIONS
 from captioning.models.state import DecoderState, Memory
-
-log = logging.getLogger(__name__)
 
 BeamRunner = Literal["fixed", "compile", "graphs"]
 FastBeam = Literal["off", "fixed", "compile", "graphs"]  # off: `decoding.beam_search`
@@ -127,11 +124,12 @@ class History(NamedTuple):
             buf.index_copy_(0, t.view(1), x.unsqueeze(0))
 
 
-def start(decoder: StepDecoder, features: Tensor, settings: BeamSettings,
-          real: int) -> tuple[Memory, Carry]:
-    """The memory of the N·k rows and the first carry; images from `real` on are padding."""
+def start(decoder: StepDecoder, features: Tensor, settings: BeamSettings, real: int, *,
+          repeat_memory: bool = True) -> tuple[Memory, Carry]:
+    """The memory of the N·k rows (of the N images, with `repeat_memory` False) and the first
+    carry; images from `real` on are padding."""
     N, k, n = features.size(0), settings.beam_size, settings.num_captions
-    memory, state = start_rows(decoder, features, k)
+    memory, state = start_rows(decoder, features, k, repeat_memory=repeat_memory)
     device = features.device
     acc = torch.promote_types(features.dtype, torch.float32)  # scores: at least float32
     scores = torch.full((N, k), NEG_INF, dtype=acc, device=device)
@@ -197,16 +195,21 @@ class GraphedSearch:
     moves the carry on in place and counts the step. With `capture` (on CUDA) that is one CUDA
     graph's replay; without it the same in-place step runs as it is (the CPU's tests). The
     buffers are ordinary tensors even when made under `inference_mode`, so that a later call
-    under `no_grad` can refill them."""
+    under `no_grad` can refill them. It takes the memory of the N images (`start`'s
+    `repeat_memory` False) and copies each image's into its k rows: one copy of the grids a
+    call, where repeating them first would make two and hold both."""
 
     def __init__(self, decoder: StepDecoder, settings: BeamSettings, memory: Memory,
                  carry: Carry, *, capture: bool = True) -> None:
         if memory.rows is not None:
-            raise ValueError("GraphedSearch needs the memory of every row (memory.rows is set)")
+            raise ValueError("GraphedSearch needs the memory of every image (memory.rows is set)")
         self.decoder, self.settings = decoder, settings
         device = carry.done.device
+        k = settings.beam_size
         with torch.inference_mode(False), torch.no_grad():
-            self.memory = Memory(memory.values.clone(), memory.keys.clone())
+            self.memory = Memory(*(x.new_empty(x.size(0) * k, *x.shape[1:])
+                                   for x in (memory.values, memory.keys)))
+            self._fill(memory)
             self.carry = _cloned(carry)
             n, k = carry.scores.shape
             self.history = History.empty(settings.max_len, n, k, memory.values.size(1), device)
@@ -236,10 +239,18 @@ class GraphedSearch:
         self.all_done.copy_(self.carry.done.all())
         self.t.add_(1)
 
+    def _fill(self, memory: Memory) -> None:
+        """Each image's memory (N, ...) into its k rows of the buffers (N·k, ...)."""
+        for kept, fresh in ((self.memory.values, memory.values),
+                            (self.memory.keys, memory.keys)):
+            n = fresh.size(0)
+            kept.view(n, -1, *fresh.shape[1:]).copy_(fresh.unsqueeze(1).expand(
+                n, self.settings.beam_size, *fresh.shape[1:]))
+
     def run(self, memory: Memory, carry: Carry) -> tuple[Carry, History, int]:
-        """The search from `carry` over `memory` (this graph's shapes): carry, history, steps."""
-        self.memory.values.copy_(memory.values)
-        self.memory.keys.copy_(memory.keys)
+        """The search from `carry` over the images' `memory` (N, ...; this graph's shapes):
+        carry, history, steps."""
+        self._fill(memory)
         for kept, fresh in zip(_tensors(self.carry), _tensors(carry)):
             kept.copy_(fresh)
         self.t.zero_()
@@ -292,7 +303,6 @@ class FixedBeamSearch:
         if runner == "compile":
             self.step = torch.compile(beam_step, dynamic=False, fullgraph=True, **COMPILE_OPTIONS)
         self.graphed: OrderedDict[tuple[object, ...], GraphedSearch] = OrderedDict()
-        self.told_native = False
 
     def rows(self, batch: int) -> int:
         """The images a batch of `batch` runs at."""
@@ -305,8 +315,9 @@ class FixedBeamSearch:
         rows = self.rows(real)
         if rows > real:
             features = torch.cat([features, features.new_zeros(rows - real, *features.shape[1:])])
-        memory, carry = start(self.decoder, features, settings, real)
-        if self.runner == "graphs":
+        graphs = self.runner == "graphs"
+        memory, carry = start(self.decoder, features, settings, real, repeat_memory=not graphs)
+        if graphs:
             carry, taken, steps = self._graphed(settings, memory, carry).run(memory, carry)
         else:
             taken = History.empty(settings.max_len, rows, settings.beam_size,
@@ -327,17 +338,10 @@ class FixedBeamSearch:
 
     def _loop(self, memory: Memory, carry: Carry, history: History,
               settings: BeamSettings) -> tuple[Carry, int]:
-        step = self.step
-        if self.runner == "compile" and getattr(self.decoder, "fast_path", None) == "native":
-            if not self.told_native:  # once
-                log.warning("fast_beam compile: the decoder's native CPU kernels cannot be "
-                            "traced; its beam steps run uncompiled")
-                self.told_native = True
-            step = beam_step
         t = torch.zeros((), dtype=torch.long, device=carry.done.device)
         steps = 0
         while steps < settings.max_len:
-            carry, record = step(self.decoder, memory, carry, t, settings)
+            carry, record = self.step(self.decoder, memory, carry, t, settings)
             history.write(t, record)
             t, steps = t + 1, steps + 1
             if bool(carry.done.all()):

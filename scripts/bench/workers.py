@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import resource
 import statistics
 import time
@@ -166,9 +167,15 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
     """Beam search on the cached val features (repeated up to `beam_images`), every caption
     `max_len` steps, at each `settings` ([[beam, batch], ...] or [[beam, batch, fast_beam],
     ...]: `Captioner.use_fast_beam`, default off; default: `beam_size` and `batch_size`) in
-    turn, in this one process: `{"rows": [result per setting]}`."""
+    turn, in this one process: `{"rows": [result per setting]}`. A fast beam's row counts the
+    images whose best caption is the one `off` gave at its beam and batch (`same`), where an
+    `off` row came before it. With `rows_file`, each row is also appended there as a JSON line
+    when it is measured: a worker killed at a deadline leaves the rows it finished."""
     import lightning.pytorch as L
     import torch
+    import torch.nn.functional as F
+
+    from captioning.models.decoding import IDS
 
     L.seed_everything(0, verbose=False)
     device = torch.device(spec["device"])
@@ -183,6 +190,7 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
     feats = torch.stack([ds[i % len(ds)][0] for i in range(n)]).to(device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=spec["precision"] == "bf16-mixed")
+    best: dict[tuple[int, int], Any] = {}  # off's best captions at each (beam, batch)
 
     def run(b: int) -> float:
         if device.type == "cuda":
@@ -194,6 +202,12 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    def captions(b: int) -> Any:  # (n, T) each image's best caption
+        firsts = [module.generate(feats[s: s + b]).first_per_image().tokens.cpu()
+                  for s in range(0, len(feats), b)]
+        width = max(x.size(1) for x in firsts)
+        return torch.cat([F.pad(x, (0, width - x.size(1)), value=IDS.pad) for x in firsts])
+
     def measure(beam: int, b: int, fast_beam: str = "off") -> dict[str, Any]:
         module.decode = replace(module.decode, beam_size=beam)
         module.captioner.use_fast_beam(fast_beam)  # type: ignore[arg-type]
@@ -202,16 +216,30 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             dt = statistics.median(run(b) for _ in range(3))
-        return {"captions_per_s": len(feats) / dt, "step_ms": 1e3 * dt / -(-len(feats) // b),
-                "peak_mb": peak_memory_mb(spec["device"]),
-                "notes": f"beam {beam}, {spec['max_len']} steps, batch {b}, "
-                         f"{len(feats)} images, fast_beam {fast_beam}"}
+            peak = peak_memory_mb(spec["device"])
+            tokens = captions(b)
+        row = {"captions_per_s": len(feats) / dt, "step_ms": 1e3 * dt / -(-len(feats) // b),
+               "peak_mb": peak, "notes": f"beam {beam}, {spec['max_len']} steps, batch {b}, "
+                                         f"{len(feats)} images, fast_beam {fast_beam}"}
+        if fast_beam == "off":
+            best[(beam, b)] = tokens
+        elif (beam, b) in best:
+            want, width = best[(beam, b)], max(tokens.size(1), best[(beam, b)].size(1))
+            tokens, want = (F.pad(x, (0, width - x.size(1)), value=IDS.pad)
+                            for x in (tokens, want))
+            row["same"] = int((tokens == want).all(dim=1).sum())
+            row["notes"] += f"; {row['same']}/{len(feats)} best captions as off's"
+        return row
 
     def measured(setting: list[Any]) -> dict[str, Any]:
         try:
-            return measure(*setting)
+            row = measure(*setting)
         except Exception as e:  # one setting's failure (a graph's capture, say) is its row's
-            return {"error": f"{type(e).__name__}: {e}"[:300]}
+            row = {"error": f"{type(e).__name__}: {e}"[:300]}
+        if spec.get("rows_file"):
+            with open(spec["rows_file"], "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
 
     settings = spec.get("settings") or [[spec["beam_size"], spec["batch_size"]]]
     return {"rows": [measured(setting) for setting in settings]}
