@@ -149,6 +149,22 @@ def check_fixed_beam_matches_beam_search(device: str, runner: str) -> None:
         torch.testing.assert_close(b.alphas, a.alphas, atol=1e-5, rtol=1e-4)
     if runner == "graphs":  # one shape: one capture (on the CPU, its in-place step uncaptured)
         assert len(graphs) == 3 and all(g is graphs[0] for g in graphs)
+    # A fresh search: a batch of one (its own shape), the batch of 8 (a second capture, in the
+    # same pool), then the model moved off the device and back (its weights at new addresses:
+    # captured again)
+    with torch.no_grad():
+        captioner.use_fast_beam("off")
+        want_one = captioner.generate(features[:1], decode)
+        captioner.use_fast_beam(runner)  # type: ignore[arg-type]
+        search = captioner.fast_beam
+        for f, w in ((features[:1], want_one), (features, want[0])):
+            assert torch.equal(captioner.generate(f, decode).tokens, w.tokens)
+        captioner.cpu().to(device)
+        assert torch.equal(captioner.generate(features, decode).tokens, want[0].tokens)
+    if runner == "graphs":
+        # two shapes; on CUDA a third capture for the weights' new addresses
+        assert len(search.graphed) == (3 if device == "cuda" else 2)  # type: ignore[union-attr]
+        assert (search.pool is not None) == (device == "cuda")  # type: ignore[union-attr]
 
 
 def check_overlay_on_device(device: str) -> None:

@@ -193,14 +193,15 @@ def _cloned(carry: Carry) -> Carry:
 class GraphedSearch:
     """One batch shape's search over static buffers: each `replay` runs a step, records it,
     moves the carry on in place and counts the step. With `capture` (on CUDA) that is one CUDA
-    graph's replay; without it the same in-place step runs as it is (the CPU's tests). The
+    graph's replay (its intermediates in `pool`, a `torch.cuda.graph_pool_handle()` where
+    given); without it the same in-place step runs as it is (the CPU's tests). The
     buffers are ordinary tensors even when made under `inference_mode`, so that a later call
     under `no_grad` can refill them. It takes the memory of the N images (`start`'s
     `repeat_memory` False) and copies each image's into its k rows: one copy of the grids a
     call, where repeating them first would make two and hold both."""
 
     def __init__(self, decoder: StepDecoder, settings: BeamSettings, memory: Memory,
-                 carry: Carry, *, capture: bool = True) -> None:
+                 carry: Carry, *, capture: bool = True, pool: object = None) -> None:
         if memory.rows is not None:
             raise ValueError("GraphedSearch needs the memory of every image (memory.rows is set)")
         self.decoder, self.settings = decoder, settings
@@ -225,8 +226,8 @@ class GraphedSearch:
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the loader's pin-memory thread may call CUDA meanwhile
-                with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"), \
-                        _uncached_autocast():
+                with torch.cuda.graph(graph, pool=pool, stream=side,
+                                      capture_error_mode="thread_local"), _uncached_autocast():
                     self.step()
             self.replay = graph.replay
 
@@ -292,7 +293,9 @@ class FixedBeamSearch:
     """`decoding.beam_search`'s captions by `beam_step` over fixed shapes, run by `runner`:
     `fixed` (uncompiled: what the others must equal), `compile` (one compiled graph for every
     step of a batch shape) or `graphs` (a step captured as a CUDA graph and replayed, the
-    `GRAPHS_KEPT` last used kept; off CUDA, the same in-place step uncaptured). A batch of at
+    `GRAPHS_KEPT` last used kept, their intermediates in one memory pool: a replay needs only
+    its own, and every input and output lives outside the pool, in each search's buffers; off
+    CUDA, the same in-place step uncaptured). A batch of at
     least a quarter of the most images seen runs at that many, the rest padding, so that an
     epoch's smaller last batch needs no graph of its own; a smaller one, at a power of two."""
 
@@ -303,6 +306,7 @@ class FixedBeamSearch:
         if runner == "compile":
             self.step = torch.compile(beam_step, dynamic=False, fullgraph=True, **COMPILE_OPTIONS)
         self.graphed: OrderedDict[tuple[object, ...], GraphedSearch] = OrderedDict()
+        self.pool: object = None  # the captured graphs' one memory pool (`_graphed`)
 
     def rows(self, batch: int) -> int:
         """The images a batch of `batch` runs at."""
@@ -332,8 +336,11 @@ class FixedBeamSearch:
             return self.graphed[key]
         while len(self.graphed) >= GRAPHS_KEPT:  # its buffers go before the next one's are made
             self.graphed.popitem(last=False)
+        capture = memory.values.is_cuda
+        if capture and self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         self.graphed[key] = GraphedSearch(self.decoder, settings, memory, carry,
-                                          capture=memory.values.is_cuda)
+                                          capture=capture, pool=self.pool)
         return self.graphed[key]
 
     def _loop(self, memory: Memory, carry: Carry, history: History,
