@@ -377,7 +377,8 @@ def stage_coco(check: Check, prepared: tuple[dict[str, Any], str] | None = None)
 
 def stage_beam(check: Check) -> None:
     """Every beam size and batch in one worker process (one model, one cache). Each row is
-    kept as the worker measures it: one killed at the deadline leaves the rows it finished."""
+    kept as the worker measures it: a worker killed at the deadline, or one that dies, leaves
+    the rows it finished."""
     images = 20 if check.cpu else 1000
     settings = [[beam, batch, fast] for fast in FAST_BEAMS for beam in (3, 5)  # off's rows first:
                 for batch in ((5, 10) if check.cpu else (100, 500))]  # kept if graphs fail
@@ -386,11 +387,11 @@ def stage_beam(check: Check) -> None:
     spec = {**check.base, "kind": "beam", "attention": "soft", "num_workers": 0,
             "precision": "bf16-mixed", "max_len": 20, "beam_images": images,
             "settings": settings, "rows_file": str(rows_file)}
-    killed = None
+    stopped: Exception | None = None  # a worker killed at the deadline, or one that died
     try:
         rows = check.run(spec)["rows"]
-    except PastDeadline as e:
-        rows, killed = finished_rows(rows_file), e
+    except Exception as e:  # its finished rows stand; the rest is one row
+        rows, stopped = finished_rows(rows_file), e
     eager: dict[tuple[int, int], float] = {}
     for (beam, batch, fast), res in zip(settings, rows):
         config = f"beam {beam}, {batch} images per batch, fast_beam {fast}"
@@ -406,9 +407,14 @@ def stage_beam(check: Check) -> None:
         check.add("beam search", config, f"{rate:.1f} captions/s",
                   step_ms=f"{res['step_ms']:.0f}", peak=f"{res['peak_mb']:.0f}",
                   notes=res["notes"] + versus)
-    if killed is not None:
-        check.add("beam search", f"the other {len(settings) - len(rows)} settings",
-                  str(killed), notes="past --deadline-s")
+    if stopped is not None and len(rows) < len(settings):
+        rest = f"the other {len(settings) - len(rows)} settings"
+        if isinstance(stopped, PastDeadline):
+            check.add("beam search", rest, str(stopped), notes="past --deadline-s")
+        else:
+            check.failed = True
+            check.add("beam search", rest, "FAILED",
+                      notes=f"{type(stopped).__name__}: {str(stopped)[:200]}")
 
 
 def finished_rows(path: Path) -> list[dict[str, Any]]:

@@ -15,11 +15,12 @@ from test_gpu import check_fixed_beam_matches_beam_search
 from torch import Tensor
 from trained import Trained
 
+import captioning.models.native as native
 from captioning.commands import caption, predict
 from captioning.lit_module import CaptioningModule
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.decoding import BeamSettings, Generation, beam_search
-from captioning.models.fixed_beam import FastBeam, FixedBeamSearch
+from captioning.models.fixed_beam import FastBeam, FixedBeamSearch, beam_step
 from captioning.models.state import Memory
 
 L, D = 5, 16
@@ -178,6 +179,7 @@ def test_graphs_copies_each_images_grids_into_its_rows_once(
     keys = dec.attention.project(batches[1])  # (4, L, K): the last batch's, in rows of 3
     assert graphed.memory.keys.shape == (12, *keys.shape[1:])
     assert torch.equal(graphed.memory.keys, keys.repeat_interleave(3, dim=0))
+    assert torch.equal(graphed.memory.values, batches[1].repeat_interleave(3, dim=0))
 
 
 def test_a_graph_is_captured_again_when_the_weights_move_or_the_mode_changes() -> None:
@@ -206,10 +208,10 @@ def test_batches_under_a_quarter_of_the_most_run_at_a_power_of_two() -> None:
     assert [search.rows(n) for n in (100, 30, 25, 24, 9, 3, 1)] == [100, 100, 100, 32, 16, 4, 1]
 
 
-def test_compile_over_the_native_cpu_kernels_traces_their_aten_ops(
-        counted_compile: Any) -> None:
-    """The native kernels step aside while Dynamo traces (`native.usable`): the compiled step
-    runs the ATen ops, eager decoding the kernels, to the same captions."""
+def test_compile_over_the_native_cpu_kernels_runs_its_steps_uncompiled(
+        counted_compile: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Over the kernels the uncompiled step is the faster on the CPU (docs/benchmarks.md,
+    part 19): `compile` runs it, and says so once."""
     dec = make_decoder(6)
     dec.use_fast_path("native")
     if dec.fast_path != "native":
@@ -218,6 +220,26 @@ def test_compile_over_the_native_cpu_kernels_traces_their_aten_ops(
     settings = BeamSettings(beam_size=3, max_len=8)
     for seed in (0, 1):
         f = features(4, seed)
+        assert_same(beam_search(dec, f, **vars(settings)), search(f, settings))
+    assert counted_compile.frame_count == 0
+    said = [r for r in caplog.records if "run uncompiled" in r.getMessage()]
+    assert len(said) == 1  # once
+
+
+def test_the_native_kernels_step_aside_while_a_step_is_traced(counted_compile: Any) -> None:
+    """`native.usable` says no while Dynamo traces: a compiled step over a decoder on the
+    native path traces the ATen ops (one graph, no break), and gives the captions of eager
+    decoding, which runs the kernels."""
+    dec = make_decoder(6)
+    dec.use_fast_path("native")
+    if dec.fast_path != "native":
+        pytest.skip("no native kernels built here")
+    search = FixedBeamSearch(dec, "fixed")
+    search.step = torch.compile(beam_step, dynamic=False, fullgraph=True)
+    settings = BeamSettings(beam_size=3, max_len=8)
+    for seed in (0, 1):
+        f = features(4, seed)
+        assert native.usable(f)  # eager decoding runs the kernels
         assert_same(beam_search(dec, f, **vars(settings)), search(f, settings))
     assert counted_compile.frame_count == 1  # one graph, for every step of both batches
 

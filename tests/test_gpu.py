@@ -149,22 +149,24 @@ def check_fixed_beam_matches_beam_search(device: str, runner: str) -> None:
         torch.testing.assert_close(b.alphas, a.alphas, atol=1e-5, rtol=1e-4)
     if runner == "graphs":  # one shape: one capture (on the CPU, its in-place step uncaptured)
         assert len(graphs) == 3 and all(g is graphs[0] for g in graphs)
-    # A fresh search: a batch of one (its own shape), the batch of 8 (a second capture, in the
-    # same pool), then the model moved off the device and back (its weights at new addresses:
-    # captured again)
+    # A fresh search: a batch of one (its own shape), the batch of 8 (on CUDA a second capture,
+    # into the same pool), the batch of one again (its graph replayed after the other's), then
+    # the model moved off the device and back: its weights at new addresses (the old ones are
+    # held meanwhile, so that none comes back where it was), captured again on CUDA.
     with torch.no_grad():
         captioner.use_fast_beam("off")
         want_one = captioner.generate(features[:1], decode)
         captioner.use_fast_beam(runner)  # type: ignore[arg-type]
         search = captioner.fast_beam
-        for f, w in ((features[:1], want_one), (features, want[0])):
+        for f, w in ((features[:1], want_one), (features, want[0]), (features[:1], want_one)):
             assert torch.equal(captioner.generate(f, decode).tokens, w.tokens)
+        held = [p.data for p in captioner.parameters()]
         captioner.cpu().to(device)
         assert torch.equal(captioner.generate(features, decode).tokens, want[0].tokens)
+        del held
     if runner == "graphs":
-        # two shapes; on CUDA a third capture for the weights' new addresses
         assert len(search.graphed) == (3 if device == "cuda" else 2)  # type: ignore[union-attr]
-        assert (search.pool is not None) == (device == "cuda")  # type: ignore[union-attr]
+        assert len(search.sites) == (device == "cuda")  # type: ignore[union-attr]
 
 
 def check_overlay_on_device(device: str) -> None:

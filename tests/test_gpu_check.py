@@ -187,10 +187,12 @@ def test_a_failed_beam_setting_is_its_own_failed_row(tmp_path: Path) -> None:
     assert check.rows[4]["notes"] == "n; 2.00x off's" and check.failed
 
 
-def test_a_beam_worker_killed_at_the_deadline_leaves_the_rows_it_finished(
-        tmp_path: Path) -> None:
-    """The worker appends each row as it is measured; killed, its finished rows (not a line
-    the kill cut short) are the stage's, and one row says what was not run."""
+@pytest.mark.parametrize("killed", [True, False])
+def test_a_beam_worker_that_stops_leaves_the_rows_it_finished(tmp_path: Path,
+                                                              killed: bool) -> None:
+    """The worker appends each row as it is measured. Killed at the deadline, or dead (a CUDA
+    error, the OOM killer), its finished rows (not a line cut short) are the stage's, and one
+    row says what was not run: skipped past the deadline, FAILED otherwise."""
     import gpu_check
 
     check = gpu_check.Check(cpu=True, work=tmp_path, base={}, threads=None, coco_images=0)
@@ -200,13 +202,16 @@ def test_a_beam_worker_killed_at_the_deadline_leaves_the_rows_it_finished(
         row = {"captions_per_s": 10.0, "step_ms": 1.0, "peak_mb": 0.0, "notes": "n"}
         with open(spec["rows_file"], "a") as f:
             f.write("".join(json.dumps(row) + "\n" for _ in range(3)) + '{"captions_per')
-        raise gpu_check.PastDeadline("killed at --deadline-s")
+        if killed:
+            raise gpu_check.PastDeadline("killed at --deadline-s")
+        raise RuntimeError("benchmark worker beam failed (exit -9)")
 
     check.run = run  # type: ignore[method-assign]
     gpu_check.stage_beam(check)
-    assert [(r["config"], r["result"]) for r in check.rows] == [
-        ("beam 3, 5 images per batch, fast_beam off", "10.0 captions/s"),
-        ("beam 3, 10 images per batch, fast_beam off", "10.0 captions/s"),
-        ("beam 5, 5 images per batch, fast_beam off", "10.0 captions/s"),
-        ("the other 5 settings", "killed at --deadline-s")]
-    assert check.rows[-1]["notes"] == "past --deadline-s" and not check.failed
+    rest = ("killed at --deadline-s", "past --deadline-s") if killed else (
+        "FAILED", "RuntimeError: benchmark worker beam failed (exit -9)")
+    assert [(r["config"], r["result"], r["notes"]) for r in check.rows] == [
+        *((f"beam {b}, {n} images per batch, fast_beam off", "10.0 captions/s", "n")
+          for b, n in ((3, 5), (3, 10), (5, 5))),
+        ("the other 5 settings", *rest)]
+    assert check.failed is not killed

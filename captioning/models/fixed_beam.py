@@ -12,6 +12,7 @@ one CUDA graph and replayed (`graphs`). One wait a step remains: are all images 
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal, NamedTuple
@@ -19,6 +20,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor, nn
 
+import captioning.models.native as native
 from captioning.choices import check_choice
 from captioning.models.decoding import (
     IDS,
@@ -35,6 +37,8 @@ from captioning.models.decoding import (
 )
 from captioning.models.fast_path import COMPILE_OPTIONS
 from captioning.models.state import DecoderState, Memory
+
+log = logging.getLogger(__name__)
 
 BeamRunner = Literal["fixed", "compile", "graphs"]
 FastBeam = Literal["off", "fixed", "compile", "graphs"]  # off: `decoding.beam_search`
@@ -190,25 +194,40 @@ def _cloned(carry: Carry) -> Carry:
                  carry.scores.clone(), carry.done.clone(), Pool(*(x.clone() for x in carry.pool)))
 
 
+class CaptureSite(NamedTuple):
+    """Where one `FixedBeamSearch` captures its graphs on a device: one stream and one memory
+    pool for all of them. Sharing the pool is safe because no tensor allocated during a capture
+    outlives it (every input and output is a search's buffer, allocated before the capture, and
+    autocast's cache is off) and replays never overlap (one stream, a wait each step). On one
+    stream the allocator can reuse a capture's freed intermediates for the next capture (it
+    reuses a block only on the stream it was allocated on)."""
+
+    stream: torch.cuda.Stream
+    pool: tuple[int, int]  # torch.cuda.graph_pool_handle()
+
+    @classmethod
+    def on(cls, device: torch.device) -> CaptureSite:
+        with torch.cuda.device(device):
+            return cls(torch.cuda.Stream(), torch.cuda.graph_pool_handle())
+
+
 class GraphedSearch:
     """One batch shape's search over static buffers: each `replay` runs a step, records it,
-    moves the carry on in place and counts the step. With `capture` (on CUDA) that is one CUDA
-    graph's replay (its intermediates in `pool`, a `torch.cuda.graph_pool_handle()` where
-    given); without it the same in-place step runs as it is (the CPU's tests). The
-    buffers are ordinary tensors even when made under `inference_mode`, so that a later call
-    under `no_grad` can refill them. It takes the memory of the N images (`start`'s
+    moves the carry on in place and counts the step. With a capture `site` (on CUDA) that is
+    one CUDA graph's replay; without one the same in-place step runs as it is (the CPU's
+    tests). The buffers are ordinary tensors even when made under `inference_mode`, so that a
+    later call under `no_grad` can refill them. It takes the memory of the N images (`start`'s
     `repeat_memory` False) and copies each image's into its k rows: one copy of the grids a
     call, where repeating them first would make two and hold both."""
 
     def __init__(self, decoder: StepDecoder, settings: BeamSettings, memory: Memory,
-                 carry: Carry, *, capture: bool = True, pool: object = None) -> None:
+                 carry: Carry, *, site: CaptureSite | None = None) -> None:
         if memory.rows is not None:
             raise ValueError("GraphedSearch needs the memory of every image (memory.rows is set)")
         self.decoder, self.settings = decoder, settings
         device = carry.done.device
-        k = settings.beam_size
         with torch.inference_mode(False), torch.no_grad():
-            self.memory = Memory(*(x.new_empty(x.size(0) * k, *x.shape[1:])
+            self.memory = Memory(*(x.new_empty(x.size(0) * settings.beam_size, *x.shape[1:])
                                    for x in (memory.values, memory.keys)))
             self._fill(memory)
             self.carry = _cloned(carry)
@@ -217,16 +236,16 @@ class GraphedSearch:
             self.t = torch.zeros((), dtype=torch.long, device=device)
             self.all_done = torch.zeros((), dtype=torch.bool, device=device)
         self.replay: Callable[[], object] = self.step
-        if capture:  # `run` sets every buffer again: the warm-up step leaves nothing behind
+        if site is not None:  # `run` sets every buffer again: the warm-up leaves nothing behind
             with torch.cuda.device(device):
-                side = torch.cuda.Stream()
+                side = site.stream
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side), _uncached_autocast():  # kernels, cuBLAS' workspace
                     self.step()
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the loader's pin-memory thread may call CUDA meanwhile
-                with torch.cuda.graph(graph, pool=pool, stream=side,
+                with torch.cuda.graph(graph, pool=site.pool, stream=side,
                                       capture_error_mode="thread_local"), _uncached_autocast():
                     self.step()
             self.replay = graph.replay
@@ -245,8 +264,8 @@ class GraphedSearch:
         for kept, fresh in ((self.memory.values, memory.values),
                             (self.memory.keys, memory.keys)):
             n = fresh.size(0)
-            kept.view(n, -1, *fresh.shape[1:]).copy_(fresh.unsqueeze(1).expand(
-                n, self.settings.beam_size, *fresh.shape[1:]))
+            shape = (n, self.settings.beam_size, *fresh.shape[1:])
+            kept.view(shape).copy_(fresh.unsqueeze(1).expand(shape))
 
     def run(self, memory: Memory, carry: Carry) -> tuple[Carry, History, int]:
         """The search from `carry` over the images' `memory` (N, ...; this graph's shapes):
@@ -293,11 +312,10 @@ class FixedBeamSearch:
     """`decoding.beam_search`'s captions by `beam_step` over fixed shapes, run by `runner`:
     `fixed` (uncompiled: what the others must equal), `compile` (one compiled graph for every
     step of a batch shape) or `graphs` (a step captured as a CUDA graph and replayed, the
-    `GRAPHS_KEPT` last used kept, their intermediates in one memory pool: a replay needs only
-    its own, and every input and output lives outside the pool, in each search's buffers; off
-    CUDA, the same in-place step uncaptured). A batch of at
-    least a quarter of the most images seen runs at that many, the rest padding, so that an
-    epoch's smaller last batch needs no graph of its own; a smaller one, at a power of two."""
+    `GRAPHS_KEPT` last used kept, all captured on one stream into one memory pool per device:
+    `CaptureSite`; off CUDA, the same in-place step uncaptured). A batch of at least a quarter
+    of the most images seen runs at that many, the rest padding, so that an epoch's smaller
+    last batch needs no graph of its own; a smaller one, at a power of two."""
 
     def __init__(self, decoder: StepDecoder, runner: BeamRunner = "compile") -> None:
         check_choice("beam runner", runner, BeamRunner)
@@ -306,7 +324,8 @@ class FixedBeamSearch:
         if runner == "compile":
             self.step = torch.compile(beam_step, dynamic=False, fullgraph=True, **COMPILE_OPTIONS)
         self.graphed: OrderedDict[tuple[object, ...], GraphedSearch] = OrderedDict()
-        self.pool: object = None  # the captured graphs' one memory pool (`_graphed`)
+        self.sites: dict[torch.device, CaptureSite] = {}  # where `_graphed` captures
+        self.told_native = False
 
     def rows(self, batch: int) -> int:
         """The images a batch of `batch` runs at."""
@@ -336,19 +355,30 @@ class FixedBeamSearch:
             return self.graphed[key]
         while len(self.graphed) >= GRAPHS_KEPT:  # its buffers go before the next one's are made
             self.graphed.popitem(last=False)
-        capture = memory.values.is_cuda
-        if capture and self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        device = memory.values.device
+        if device.type == "cuda" and device not in self.sites:
+            self.sites[device] = CaptureSite.on(device)
         self.graphed[key] = GraphedSearch(self.decoder, settings, memory, carry,
-                                          capture=capture, pool=self.pool)
+                                          site=self.sites.get(device))
         return self.graphed[key]
 
     def _loop(self, memory: Memory, carry: Carry, history: History,
               settings: BeamSettings) -> tuple[Carry, int]:
+        step = self.step
+        if self.runner == "compile" and getattr(self.decoder, "fast_path", None) == "native" \
+                and native.usable(memory.keys):
+            # Traced, the step runs the ATen ops in the kernels' place (`native.usable`); on
+            # this project's CPU that was 0.83 to 0.90x the uncompiled step over the kernels
+            # (docs/benchmarks.md, part 19)
+            if not self.told_native:  # once
+                log.warning("fast_beam compile: the decoder runs native CPU kernels, faster "
+                            "than its compiled step; its beam steps run uncompiled")
+                self.told_native = True
+            step = beam_step
         t = torch.zeros((), dtype=torch.long, device=carry.done.device)
         steps = 0
         while steps < settings.max_len:
-            carry, record = self.step(self.decoder, memory, carry, t, settings)
+            carry, record = step(self.decoder, memory, carry, t, settings)
             history.write(t, record)
             t, steps = t + 1, steps + 1
             if bool(carry.done.all()):

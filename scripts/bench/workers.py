@@ -171,23 +171,10 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
     images whose best caption is the one `off` gave at its beam and batch (`same`), where an
     `off` row came before it. With `rows_file`, each row is also appended there as a JSON line
     when it is measured: a worker killed at a deadline leaves the rows it finished."""
-    import lightning.pytorch as L
     import torch
-    import torch.nn.functional as F
 
-    from captioning.models.decoding import IDS
-
-    L.seed_everything(0, verbose=False)
-    device = torch.device(spec["device"])
-    module, dm = build_run({**spec, "features_on_device": False}, cached=True)  # grids, here
-    attach_cache(module, dm, spec["device"])
-    if spec.get("weights") and Path(spec["weights"]).exists():
-        module.load_state_dict(torch.load(spec["weights"], map_location="cpu"))
-    never_end(module.captioner.decoder)
-    module.to(device).eval()
-    ds = dm.dataset_for("val")
-    n = spec["beam_images"]
-    feats = torch.stack([ds[i % len(ds)][0] for i in range(n)]).to(device)
+    module, feats = beam_setup(spec)
+    device = feats.device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=spec["precision"] == "bf16-mixed")
     best: dict[tuple[int, int], Any] = {}  # off's best captions at each (beam, batch)
@@ -202,12 +189,6 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def captions(b: int) -> Any:  # (n, T) each image's best caption
-        firsts = [module.generate(feats[s: s + b]).first_per_image().tokens.cpu()
-                  for s in range(0, len(feats), b)]
-        width = max(x.size(1) for x in firsts)
-        return torch.cat([F.pad(x, (0, width - x.size(1)), value=IDS.pad) for x in firsts])
-
     def measure(beam: int, b: int, fast_beam: str = "off") -> dict[str, Any]:
         module.decode = replace(module.decode, beam_size=beam)
         module.captioner.use_fast_beam(fast_beam)  # type: ignore[arg-type]
@@ -217,17 +198,14 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats()
             dt = statistics.median(run(b) for _ in range(3))
             peak = peak_memory_mb(spec["device"])
-            tokens = captions(b)
+            tokens = best_captions(module, feats, b)
         row = {"captions_per_s": len(feats) / dt, "step_ms": 1e3 * dt / -(-len(feats) // b),
                "peak_mb": peak, "notes": f"beam {beam}, {spec['max_len']} steps, batch {b}, "
                                          f"{len(feats)} images, fast_beam {fast_beam}"}
         if fast_beam == "off":
             best[(beam, b)] = tokens
         elif (beam, b) in best:
-            want, width = best[(beam, b)], max(tokens.size(1), best[(beam, b)].size(1))
-            tokens, want = (F.pad(x, (0, width - x.size(1)), value=IDS.pad)
-                            for x in (tokens, want))
-            row["same"] = int((tokens == want).all(dim=1).sum())
+            row["same"] = same_rows(tokens, best[(beam, b)])
             row["notes"] += f"; {row['same']}/{len(feats)} best captions as off's"
         return row
 
@@ -243,6 +221,50 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
 
     settings = spec.get("settings") or [[spec["beam_size"], spec["batch_size"]]]
     return {"rows": [measured(setting) for setting in settings]}
+
+
+def beam_setup(spec: dict[str, Any]) -> tuple[Any, Any]:
+    """The beam worker's module (its saved `weights` where given; <end> disabled), in eval
+    mode on the device, and `beam_images` cached val grids there."""
+    import lightning.pytorch as L
+    import torch
+
+    L.seed_everything(0, verbose=False)
+    module, dm = build_run({**spec, "features_on_device": False}, cached=True)  # grids, here
+    attach_cache(module, dm, spec["device"])
+    if spec.get("weights") and Path(spec["weights"]).exists():
+        module.load_state_dict(torch.load(spec["weights"], map_location="cpu"))
+    never_end(module.captioner.decoder)
+    module.to(spec["device"]).eval()
+    ds = dm.dataset_for("val")
+    feats = torch.stack([ds[i % len(ds)][0] for i in range(spec["beam_images"])])
+    return module, feats.to(spec["device"])
+
+
+def best_captions(module: Any, feats: Any, b: int) -> Any:
+    """(n, T) each image's best caption by `module.generate` in batches of `b`, on the host,
+    padded to the widest batch's."""
+    import torch
+
+    firsts = [module.generate(feats[s: s + b]).first_per_image().tokens.cpu()
+              for s in range(0, len(feats), b)]
+    width = max(x.size(1) for x in firsts)
+    return torch.cat([widened(x, width) for x in firsts])
+
+
+def widened(tokens: Any, width: int) -> Any:
+    """(n, T) tokens padded with the pad id to (n, width)."""
+    import torch.nn.functional as F
+
+    from captioning.models.decoding import IDS
+
+    return F.pad(tokens, (0, width - tokens.size(1)), value=IDS.pad)
+
+
+def same_rows(a: Any, b: Any) -> int:
+    """How many rows of two (n, T) token tensors are the same caption."""
+    width = max(a.size(1), b.size(1))
+    return int((widened(a, width) == widened(b, width)).all(dim=1).sum())
 
 
 def worker_coco_index(spec: dict[str, Any]) -> dict[str, Any]:
