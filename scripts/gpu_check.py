@@ -407,14 +407,16 @@ def stage_beam(check: Check) -> None:
         check.add("beam search", config, f"{rate:.1f} captions/s",
                   step_ms=f"{res['step_ms']:.0f}", peak=f"{res['peak_mb']:.0f}",
                   notes=res["notes"] + versus)
-    if stopped is not None and len(rows) < len(settings):
-        rest = f"the other {len(settings) - len(rows)} settings"
-        if isinstance(stopped, PastDeadline):
-            check.add("beam search", rest, str(stopped), notes="past --deadline-s")
-        else:
-            check.failed = True
-            check.add("beam search", rest, "FAILED",
-                      notes=f"{type(stopped).__name__}: {str(stopped)[:200]}")
+    if stopped is None:
+        return
+    rest = f"the other {len(settings) - len(rows)} settings" if len(rows) < len(settings) \
+        else "the worker, after its last setting"  # a fault at teardown: a graph's, say
+    if isinstance(stopped, PastDeadline):
+        check.add("beam search", rest, str(stopped), notes="past --deadline-s")
+    else:
+        check.failed = True
+        check.add("beam search", rest, "FAILED",
+                  notes=f"{type(stopped).__name__}: {str(stopped)[:200]}")
 
 
 def finished_rows(path: Path) -> list[dict[str, Any]]:

@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 import torch
 from test_decoding import make_decoder
-from test_gpu import check_fixed_beam_matches_beam_search
+from test_gpu import (
+    check_fixed_beam_matches_beam_search,
+    check_graphs_outlive_eviction_and_cleared_workspaces,
+)
 from torch import Tensor
 from trained import Trained
 
@@ -103,6 +106,11 @@ def test_the_gpu_tests_check_passes_here(runner: str) -> None:
     """tests/test_gpu.py's check (compile and graphs on CUDA), run here uncompiled; `graphs`
     runs its in-place step over static buffers, without capturing it."""
     check_fixed_beam_matches_beam_search("cpu", runner)
+
+
+def test_the_gpu_tests_eviction_check_passes_here() -> None:
+    """tests/test_gpu.py's check of graphs kept through an eviction, run here uncaptured."""
+    check_graphs_outlive_eviction_and_cleared_workspaces("cpu")
 
 
 def test_captioner_generate_uses_the_fast_beam_it_is_given() -> None:

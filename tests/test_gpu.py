@@ -125,7 +125,9 @@ def ending_captioner() -> Captioner:
 
 def check_fixed_beam_matches_beam_search(device: str, runner: str) -> None:
     """`use_fast_beam(runner)` on `device`: beam_search's captions there, for a batch, the same
-    batch again and a smaller one (padded up: `graphs` replays the one graph it captured)."""
+    batch again and a smaller one (padded up: `graphs` replays the one graph it captured); then,
+    with a fresh search, a second shape, the first again, and the model after a round trip off
+    the device."""
     captioner = ending_captioner().to(device)
     features = torch.randn(8, 9, 512, generator=torch.Generator().manual_seed(1)).relu()
     features = features.to(device)
@@ -167,6 +169,34 @@ def check_fixed_beam_matches_beam_search(device: str, runner: str) -> None:
     if runner == "graphs":
         assert len(search.graphed) == (3 if device == "cuda" else 2)  # type: ignore[union-attr]
         assert len(search.sites) == (device == "cuda")  # type: ignore[union-attr]
+
+
+def check_graphs_outlive_eviction_and_cleared_workspaces(device: str) -> None:
+    """`graphs` kept through a fifth batch shape (the first dropped) and cuBLAS's workspaces
+    dropped, as CUDA-graph trees drop them when they record: the oldest graph kept still gives
+    beam_search's captions, and writes nothing into memory freed meanwhile (a NaN filler
+    allocated after the drop stays NaN)."""
+    captioner = ending_captioner().to(device)
+    features = torch.randn(16, 9, 512, generator=torch.Generator().manual_seed(2)).relu()
+    features = features.to(device)
+    decode = DecodeConfig(strategy="beam", beam_size=3, max_len=12, num_captions=2)
+    sizes = (1, 2, 4, 8, 16)  # five shapes: 4 kept
+    with torch.no_grad():
+        want = {n: captioner.generate(features[:n], decode).tokens for n in sizes}
+        captioner.use_fast_beam("graphs")
+        search = captioner.fast_beam
+        for n in sizes:
+            assert torch.equal(captioner.generate(features[:n], decode).tokens, want[n])
+        assert len(search.graphed) == 4  # type: ignore[union-attr]
+        filler = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+            filler = torch.full((64, 1024, 1024), float("nan"), device=device)  # 256 MB
+        assert torch.equal(captioner.generate(features[:2], decode).tokens, want[2])
+        if filler is not None:
+            assert bool(filler.isnan().all())
 
 
 def check_overlay_on_device(device: str) -> None:
@@ -412,6 +442,10 @@ def test_beam_search_on_cuda_equals_cpu(exact_fp32: None) -> None:
 @pytest.mark.parametrize("runner", ["compile", "graphs"])
 def test_fixed_beam_search_on_cuda_equals_beam_search(runner: str, exact_fp32: None) -> None:
     check_fixed_beam_matches_beam_search("cuda", runner)
+
+
+def test_beam_graphs_outlive_eviction_and_cleared_workspaces(exact_fp32: None) -> None:
+    check_graphs_outlive_eviction_and_cleared_workspaces("cuda")
 
 
 def test_overlays_render_on_the_device(exact_fp32: None) -> None:

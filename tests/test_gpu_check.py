@@ -215,3 +215,21 @@ def test_a_beam_worker_that_stops_leaves_the_rows_it_finished(tmp_path: Path,
           for b, n in ((3, 5), (3, 10), (5, 5))),
         ("the other 5 settings", *rest)]
     assert check.failed is not killed
+
+
+def test_a_beam_worker_that_dies_after_its_last_row_fails_the_check(tmp_path: Path) -> None:
+    import gpu_check
+
+    check = gpu_check.Check(cpu=True, work=tmp_path, base={}, threads=None, coco_images=0)
+
+    def run(spec: dict[str, Any]) -> dict[str, Any]:
+        row = {"captions_per_s": 10.0, "step_ms": 1.0, "peak_mb": 0.0, "notes": "n"}
+        with open(spec["rows_file"], "a") as f:
+            f.write("".join(json.dumps(row) + "\n" for _ in spec["settings"]))
+        raise RuntimeError("benchmark worker beam failed (exit -6)")
+
+    check.run = run  # type: ignore[method-assign]
+    gpu_check.stage_beam(check)
+    assert len(check.rows) == 9 and check.failed
+    assert (check.rows[-1]["config"], check.rows[-1]["result"]) == (
+        "the worker, after its last setting", "FAILED")

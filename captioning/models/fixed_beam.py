@@ -197,10 +197,11 @@ def _cloned(carry: Carry) -> Carry:
 class CaptureSite(NamedTuple):
     """Where one `FixedBeamSearch` captures its graphs on a device: one stream and one memory
     pool for all of them. Sharing the pool is safe because no tensor allocated during a capture
-    outlives it (every input and output is a search's buffer, allocated before the capture, and
-    autocast's cache is off) and replays never overlap (one stream, a wait each step). On one
-    stream the allocator can reuse a capture's freed intermediates for the next capture (it
-    reuses a block only on the stream it was allocated on)."""
+    outlives it (every input and output is a search's buffer, allocated before the capture;
+    autocast's cache is off; cuBLAS's workspace is the capture's own, `captured`) and replays
+    never overlap (each runs on the caller's stream, and `GraphedSearch.run` waits after each).
+    On one stream the allocator can reuse a capture's freed intermediates for the next capture
+    (it reuses a block only on the stream it was allocated on)."""
 
     stream: torch.cuda.Stream
     pool: tuple[int, int]  # torch.cuda.graph_pool_handle()
@@ -237,18 +238,7 @@ class GraphedSearch:
             self.all_done = torch.zeros((), dtype=torch.bool, device=device)
         self.replay: Callable[[], object] = self.step
         if site is not None:  # `run` sets every buffer again: the warm-up leaves nothing behind
-            with torch.cuda.device(device):
-                side = site.stream
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side), _uncached_autocast():  # kernels, cuBLAS' workspace
-                    self.step()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: the loader's pin-memory thread may call CUDA meanwhile
-                with torch.cuda.graph(graph, pool=site.pool, stream=side,
-                                      capture_error_mode="thread_local"), _uncached_autocast():
-                    self.step()
-            self.replay = graph.replay
+            self.replay = captured(self.step, site, device).replay
 
     def step(self) -> None:
         """Step t of the search, in place."""
@@ -281,6 +271,31 @@ class GraphedSearch:
             if bool(self.all_done):  # the step's one wait
                 break
         return self.carry, self.history, steps
+
+
+def captured(step: Callable[[], None], site: CaptureSite,
+             device: torch.device) -> torch.cuda.CUDAGraph:
+    """`step` run once on the site's stream (the warm-up: kernels chosen, libraries loaded),
+    then captured as a CUDA graph into the site's pool. cuBLAS's workspaces are dropped before
+    and after the capture, as Inductor's CUDA-graph trees do, so that the capture makes its
+    own, in the pool, which lives as long as the pool. A graph would otherwise keep the address
+    of its stream's workspace, which torch frees when any graph captured on that stream is
+    destroyed, and whenever CUDA-graph trees (`fast_path: graphs`) record."""
+    with torch.cuda.device(device):
+        side = site.stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), _uncached_autocast():
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        torch._C._cuda_clearCublasWorkspaces()
+        try:  # thread_local: the loader's pin-memory thread may call CUDA meanwhile
+            with torch.cuda.graph(graph, pool=site.pool, stream=side,
+                                  capture_error_mode="thread_local"), _uncached_autocast():
+                step()
+        finally:
+            torch._C._cuda_clearCublasWorkspaces()
+    return graph
 
 
 def _uncached_autocast() -> torch.autocast:
