@@ -155,7 +155,7 @@ def available() -> bool:
 def usable(grid: Tensor, *, values: bool = False) -> bool:
     """Whether the kernels can read this grid: built, on the CPU, float32 or bfloat16; float16
     too for the context's annotations (`values`). Never while `torch.compile` traces: it cannot
-    see into the kernels, so a compiled step (`fast_beam: compile`) traces the ATen ops."""
+    see into the kernels, so a compiled step traces the ATen ops in their place."""
     return (not torch.compiler.is_compiling() and grid.device.type == "cpu"
             and grid.dtype in (VALUE_DTYPES if values else DTYPES) and available())
 
