@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench.workers import never_end
+from bench.workers import never_end, same_captions
 from torch import Tensor
 
 from captioning.models.decoder import AttentionLSTMDecoder
@@ -99,14 +99,6 @@ def timed(modes: dict[str, Callable[[Tensor], list[Generation]]], features: Tens
             seconds, gens = took[name]
             took[name] = (seconds + time.perf_counter() - t0, gens + out)
     return took
-
-
-def same_captions(a: list[Generation], b: list[Generation]) -> int:
-    """How many images got the same words in both runs."""
-    def rows(gens: list[Generation]) -> list[list[int]]:
-        return [t[:n] for g in gens for t, n in zip(g.tokens.tolist(), g.lengths.tolist())]
-
-    return sum(x == y for x, y in zip(rows(a), rows(b)))
 
 
 def main() -> None:

@@ -198,14 +198,14 @@ def worker_beam(spec: dict[str, Any]) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats()
             dt = statistics.median(run(b) for _ in range(3))
             peak = peak_memory_mb(spec["device"])
-            tokens = best_captions(module, feats, b)
+            captions = best_captions(module, feats, b)
         row = {"captions_per_s": len(feats) / dt, "step_ms": 1e3 * dt / -(-len(feats) // b),
                "peak_mb": peak, "notes": f"beam {beam}, {spec['max_len']} steps, batch {b}, "
                                          f"{len(feats)} images, fast_beam {fast_beam}"}
         if fast_beam == "off":
-            best[(beam, b)] = tokens
+            best[(beam, b)] = captions
         elif (beam, b) in best:
-            row["same"] = same_rows(tokens, best[(beam, b)])
+            row["same"] = same_captions(captions, best[(beam, b)])
             row["notes"] += f"; {row['same']}/{len(feats)} best captions as off's"
         return row
 
@@ -241,30 +241,18 @@ def beam_setup(spec: dict[str, Any]) -> tuple[Any, Any]:
     return module, feats.to(spec["device"])
 
 
-def best_captions(module: Any, feats: Any, b: int) -> Any:
-    """(n, T) each image's best caption by `module.generate` in batches of `b`, on the host,
-    padded to the widest batch's."""
-    import torch
-
-    firsts = [module.generate(feats[s: s + b]).first_per_image().tokens.cpu()
-              for s in range(0, len(feats), b)]
-    width = max(x.size(1) for x in firsts)
-    return torch.cat([widened(x, width) for x in firsts])
+def best_captions(module: Any, feats: Any, b: int) -> list[Any]:
+    """Each batch's `Generation` of its images' best captions, by `module.generate` in batches
+    of `b`."""
+    return [module.generate(feats[s: s + b]).first_per_image() for s in range(0, len(feats), b)]
 
 
-def widened(tokens: Any, width: int) -> Any:
-    """(n, T) tokens padded with the pad id to (n, width)."""
-    import torch.nn.functional as F
+def same_captions(a: list[Any], b: list[Any]) -> int:
+    """How many rows of two runs' `Generation`s got the same words."""
+    def rows(gens: list[Any]) -> list[list[int]]:
+        return [t[:n] for g in gens for t, n in zip(g.tokens.tolist(), g.lengths.tolist())]
 
-    from captioning.models.decoding import IDS
-
-    return F.pad(tokens, (0, width - tokens.size(1)), value=IDS.pad)
-
-
-def same_rows(a: Any, b: Any) -> int:
-    """How many rows of two (n, T) token tensors are the same caption."""
-    width = max(a.size(1), b.size(1))
-    return int((widened(a, width) == widened(b, width)).all(dim=1).sum())
+    return sum(x == y for x, y in zip(rows(a), rows(b)))
 
 
 def worker_coco_index(spec: dict[str, Any]) -> dict[str, Any]:
