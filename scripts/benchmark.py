@@ -19,7 +19,9 @@ of them):
   (`ondevice`: `data.features_on_device`) and with the decoder's fast path
   (`fast_path: compile`, `graphs` on CUDA). On the CPU the rows train with the default
   `fast_path: auto` (the native score kernel); `aten` adds the cached soft row with
-  `fast_path: off` (the score by ATen operations);
+  `fast_path: off` (the score by ATen operations); `bf16` adds it (and with `grouped`, the
+  by-image row) under `bf16-mixed` beside a float32 run, interleaved with it: on a CPU with
+  AMX or AVX512-BF16 the products run at the bf16 rate;
 * beam-search captions/s on cached features (<end> disabled, so every caption runs
   `--max-len` steps: an untrained decoder would otherwise stop at once);
 * the COCO-size index build: a synthetic Karpathy file of 123,287 images / 616,767 captions
@@ -80,6 +82,7 @@ from typing import Any
 from bench.data import make_base, make_coco_karpathy
 from bench.process import export_revision, run_as_worker, run_worker
 from bench.report import (
+    BF16,
     GROUPED,
     describe_machine,
     print_profile,
@@ -132,7 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", default="uncached,cached,channels_last,nobucket,grouped,compile,"
                                      "beam,coco",
                    help="comma-separated subset of: uncached,cached,channels_last,nobucket,"
-                        "grouped (batches by image),ondevice (data.features_on_device),"
+                        "grouped (batches by image),ondevice (data.features_on_device),bf16,"
                         "aten (fast_path off),compile,beam,coco")
     p.add_argument("--attentions", default="soft,hard",
                    help="attention kinds of the uncached and cached rows")
@@ -202,6 +205,11 @@ def train_configs(args: argparse.Namespace, weights: str,
     if "ondevice" in rows:  # the grids held whole on the device, batches gathered there
         configs.append(("train, cached, soft, grids on the device",
                         {"features_on_device": True}))
+    if "bf16" in rows and args.precision != "bf16-mixed":  # beside a float32 run
+        configs.append((BF16, {"precision": "bf16-mixed"}))
+        if "grouped" in rows:
+            configs.append((f"{GROUPED}, bf16-mixed", {"precision": "bf16-mixed",
+                                                       "group_by_image": True}))
     if "aten" in rows:  # the score by ATen operations, without the native CPU kernel
         configs.append(("train, cached, soft, fast_path off", {"fast_path": "off"}))
     if "compile" in rows:  # the fixed-shape pass: compiled, and replayed as CUDA graphs
@@ -301,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             if GROUPED in dict(results):
                 extra["roofline_grouped"] = run_roofline(base, args, dict(results)[GROUPED],
                                                          {"group_by_image": True})
+            if BF16 in dict(results):  # its rate against both the fp32 and the bf16 rates
+                extra["roofline_bf16"] = run_roofline(base, args, dict(results)[BF16],
+                                                      {"precision": "bf16-mixed"})
         if args.profile:
             extra["profile"] = run_profile(base, args)
             if GROUPED in dict(results):
@@ -317,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(args, args.batch_size, results, padding)
     print_roofline(args, extra.get("roofline"))
     print_roofline(args, extra.get("roofline_grouped"), "by image")
+    print_roofline(args, extra.get("roofline_bf16"), "bf16-mixed")
     print_profile(extra.get("profile"))
     print_profile(extra.get("profile_grouped"), ", by image")
     if args.json:

@@ -16,21 +16,24 @@ from tiny_runs import REPO
 
 def test_benchmark_prints_its_table_at_a_tiny_size(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached,beam,ondevice",
+        [sys.executable, "scripts/benchmark.py", "--tiny", "--rows", "cached,beam,ondevice,bf16",
          "--steps", "2", "--rounds", "1", "--warmup", "1", "--num-train", "16",
          "--batch-size", "4", "--threads", "1", "--workdir", str(tmp_path / "work"),
          "--roofline", "--json", str(tmp_path / "bench.json")],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     for row in ("train, cached, soft", "train, cached, hard", "beam search, cached, soft",
-                "train, cached, soft, grids on the device"):
+                "train, cached, soft, grids on the device", "train, cached, soft, bf16-mixed"):
         assert f"| {row}" in out.stdout
     assert "padding share of one epoch's (B, T) step-rows, shapes" in out.stdout
     data = json.loads((tmp_path / "bench.json").read_text())
     assert all(r["captions_per_s"] > 0 for r in data["rows"].values())
-    # an fp32 run's roofline: the fp32 rate only
+    # an fp32 run's roofline: the fp32 rate only; its bf16 row's, both rates
     assert "of the matmul rate" in out.stdout and "bf16 matmul" not in out.stdout
     assert data["roofline"]["bf16_matmul_gflops"] is None
+    assert data["roofline_bf16"]["bf16_matmul_gflops"] > 0
+    assert "roofline, bf16-mixed: decoder FLOPs per pair" in out.stdout
+    assert "of the bf16 rate" in out.stdout
     if torch.backends.mkldnn.is_available():  # the rate: the faster of MKL and oneDNN
         roof = data["roofline"]
         assert roof["onednn_matmul_gflops"] > 0 and "by oneDNN" in out.stdout
@@ -191,6 +194,22 @@ def test_against_adds_the_by_image_row_for_revisions_that_have_it(tmp_path: Path
     assert {"train, cached, soft, code at new", "train, cached, soft, code at old"} <= set(names)
     spec = dict(benchmark.train_configs(args, "w.pt", exports))[f"{GROUPED}, code at new"]
     assert spec == {"code": exports["new"], "group_by_image": True}
+
+
+def test_bf16_rows_run_beside_a_float32_run_only() -> None:
+    """`--rows bf16` adds the cached soft row (and the by-image row) under bf16-mixed to a
+    float32 run, so that the two precisions interleave; a bf16 run has them already."""
+    import benchmark
+    from bench.report import BF16, GROUPED
+
+    args = benchmark.parse_args(["--rows", "cached,grouped,bf16", "--attentions", "soft"])
+    configs = dict(benchmark.train_configs(args, "w.pt"))
+    assert configs[BF16] == {"precision": "bf16-mixed"}
+    assert configs[f"{GROUPED}, bf16-mixed"] == {"precision": "bf16-mixed",
+                                                 "group_by_image": True}
+    assert "precision" not in configs["train, cached, soft"] and GROUPED in configs
+    args = benchmark.parse_args(["--rows", "cached,bf16", "--precision", "bf16-mixed"])
+    assert not any("bf16-mixed" in name for name, _ in benchmark.train_configs(args, "w.pt"))
 
 
 def test_summary_of_gpu_timeline_periods_and_of_host_steps() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 GROUPED = "train, cached, soft, by image"  # the row of `CaptionDataModule(group_by_image=True)`
+BF16 = "train, cached, soft, bf16-mixed"  # the cached soft row under bf16 autocast (`--rows bf16`)
 
 
 def summarize_train(rounds: list[dict[str, Any]]) -> dict[str, Any]:
