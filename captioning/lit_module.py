@@ -23,7 +23,7 @@ from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.decoding import Generation
 from captioning.models.encoder import fingerprint
 from captioning.models.fast_path import FastPathSetting, resolve_fast_path
-from captioning.models.fixed_beam import FastBeam
+from captioning.models.fixed_beam import FastBeamSetting
 from captioning.objectives import ObjectiveKind, RewardForm, build_objective
 from captioning.optim import StepGuard, batch_message, build_adam, poisoned_loss, says_non_finite
 from captioning.scst import ScstConfig
@@ -40,7 +40,8 @@ class CaptioningModule(L.LightningModule):
     `spice`: SPICE too, in the test pass only (it needs the CoreNLP jars; else a warning says why).
     `fused_adam`: Adam's fused kernel; None: on CPU or CUDA, unless 16-mixed scales the loss.
     With it the non-finite check costs no host sync (`captioning.optim.StepGuard`).
-    `fast_beam`: beam search over fixed shapes (`Captioner.use_fast_beam`), the same captions."""
+    `fast_beam`: beam search over fixed shapes (`Captioner.use_fast_beam`), the same captions;
+    `auto`: CUDA graphs on CUDA, `decoding.beam_search` elsewhere."""
 
     def __init__(
         self,
@@ -67,7 +68,7 @@ class CaptioningModule(L.LightningModule):
         results_dir: str | None = None,
         fast_path: FastPathSetting = "auto",
         fast_bucket: int = 8,
-        fast_beam: FastBeam = "off",
+        fast_beam: FastBeamSetting = "auto",
         fused_adam: bool | None = None,
     ) -> None:
         super().__init__()

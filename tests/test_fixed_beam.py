@@ -23,7 +23,12 @@ from captioning.commands import caption, predict
 from captioning.lit_module import CaptioningModule
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.decoding import BeamSettings, Generation, beam_search
-from captioning.models.fixed_beam import FastBeam, FixedBeamSearch, beam_step
+from captioning.models.fixed_beam import (
+    FastBeamSetting,
+    FixedBeamSearch,
+    beam_step,
+    resolve_fast_beam,
+)
 from captioning.models.state import Memory
 
 L, D = 5, 16
@@ -130,10 +135,30 @@ def test_captioner_generate_uses_the_fast_beam_it_is_given() -> None:
     assert CaptioningModule(net=cfg, fast_beam="compile").captioner.fast_beam is not None
 
 
-def test_the_commands_offer_every_fast_beam() -> None:
+def test_the_commands_offer_every_fast_beam_and_default_to_auto() -> None:
     for main in (caption, predict):
         action = next(a for a in main._parser()._actions if a.dest == "fast_beam")
-        assert tuple(action.choices) == typing.get_args(FastBeam)
+        assert tuple(action.choices) == typing.get_args(FastBeamSetting)
+        assert action.default == "auto"
+
+
+def test_auto_is_graphs_on_cuda_and_beam_search_elsewhere() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert (resolve_fast_beam("auto", cuda), resolve_fast_beam("auto", cpu)) == ("graphs", "off")
+    for setting in ("off", "fixed", "compile", "graphs"):  # the others stand as given
+        assert resolve_fast_beam(setting, cpu) == resolve_fast_beam(setting, cuda) == setting
+    with pytest.raises(ValueError, match="fast_beam must be"):
+        resolve_fast_beam("fast", cpu)
+    cfg = CaptionerConfig(backbone="resnet18", weights=None, grid_size=2, image_size=32,
+                          embed_dim=8, hidden_dim=16, attn_dim=8, vocab_size=12, dropout=0.0)
+    for model in (Captioner(cfg), CaptioningModule(net=cfg).captioner):  # the default: auto
+        assert model.fast_beam_setting == "auto"
+        assert model.beam_runner(cpu) is None  # beam_search
+        search = model.beam_runner(cuda)
+        assert isinstance(search, FixedBeamSearch) and search.runner == "graphs"
+        assert search.decoder is model.decoder
+    model.use_fast_beam("fixed")  # an explicit runner decodes on every device
+    assert model.beam_runner(cpu) is model.beam_runner(cuda) is model.fast_beam
 
 
 def test_caption_and_predict_with_a_fast_beam_give_the_same_captions(

@@ -98,14 +98,20 @@ def trained_looking_captioner() -> Captioner:
     return captioner
 
 
-def check_beam_matches_cpu(device: str) -> None:
+def check_beam_matches_cpu(device: str, fast_beam: str = "off") -> None:
+    """Beam search on `device` by `fast_beam` (`auto`: CUDA graphs there) against
+    `beam_search` on the CPU, for the same weights."""
     captioner = trained_looking_captioner()
+    captioner.use_fast_beam(fast_beam)  # type: ignore[arg-type]
+    assert captioner.beam_runner(torch.device("cpu")) is None
     features = torch.randn(6, 9, 512, generator=torch.Generator().manual_seed(1)).relu()
     decode = DecodeConfig(strategy="beam", beam_size=3, max_len=12, num_captions=2)
     with torch.no_grad():
         cpu = captioner.generate(features, decode)
         dev = captioner.to(device).generate(features.to(device), decode)
     assert dev.tokens.device.type == torch.device(device).type
+    if fast_beam == "auto" and device == "cuda":  # decoded by its captured graph
+        assert len(captioner.fast_beam.graphed) == 1  # type: ignore[union-attr]
     assert torch.equal(dev.tokens.cpu(), cpu.tokens)
     assert torch.equal(dev.lengths.cpu(), cpu.lengths)
     torch.testing.assert_close(dev.scores.cpu(), cpu.scores, atol=1e-4, rtol=1e-5)
@@ -120,6 +126,7 @@ def ending_captioner() -> Captioner:
     with torch.no_grad():
         captioner.decoder.out.weight.mul_(8)
         captioner.decoder.out.bias[SpecialIds.end] += 4.0
+    captioner.use_fast_beam("off")  # beam_search: what the fixed shapes must equal
     return captioner
 
 
@@ -435,8 +442,9 @@ def test_a_fit_on_graphs_replays_a_graph_a_bucket(
                                monkeypatch)
 
 
-def test_beam_search_on_cuda_equals_cpu(exact_fp32: None) -> None:
-    check_beam_matches_cpu("cuda")
+@pytest.mark.parametrize("fast_beam", ["off", "auto"])
+def test_beam_search_on_cuda_equals_cpu(fast_beam: str, exact_fp32: None) -> None:
+    check_beam_matches_cpu("cuda", fast_beam)
 
 
 @pytest.mark.parametrize("runner", ["compile", "graphs"])

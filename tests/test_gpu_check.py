@@ -5,6 +5,7 @@ ones)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,26 @@ def test_gpu_tests_past_the_deadline_are_killed_and_say_so(tmp_path: Path) -> No
     assert (row["result"], row["notes"]) == (
         "killed at --deadline-s", "about 3 passed before; the output's tail is in the log")
     assert not check.failed and proc.poll() is not None
+
+
+def test_the_gpu_tests_row_names_the_slowest_tests(tmp_path: Path) -> None:
+    """The row reads pytest's own `--durations` lines, as the check asks for them."""
+    import gpu_check
+    from bench.process import own_process_group
+
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\nimport pytest\n\npytestmark = pytest.mark.gpu\n\n\n"
+        "def test_slow():\n    time.sleep(1.3)\n\n\ndef test_slower():\n"
+        "    time.sleep(2.3)\n\n\ndef test_quick():\n    pass\n")
+    check = gpu_check.Check(cpu=False, work=tmp_path, base={}, threads=None, coco_images=0,
+                            json_path=tmp_path / "check.json")
+    proc = subprocess.Popen(gpu_check.gpu_test_command([str(tmp_path / "test_slow.py")]),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **own_process_group())
+    gpu_check.finish_gpu_tests(check, proc)
+    (row,) = json.loads((tmp_path / "check.json").read_text())["rows"]
+    assert row["result"] == "3 passed, 0 failed"
+    assert re.fullmatch(r"0 skipped; slowest: test_slower [23] s, test_slow 1 s", row["notes"])
 
 
 def test_the_wheels_script_parses_and_pins_installed_packages() -> None:

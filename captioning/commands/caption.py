@@ -169,10 +169,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def add_fast_beam_flag(p: argparse.ArgumentParser) -> None:
     """`--fast-beam`, which `caption` and `predict` share (`Captioner.use_fast_beam`)."""
-    p.add_argument("--fast-beam", choices=("off", "fixed", "compile", "graphs"), default="off",
+    p.add_argument("--fast-beam", choices=("auto", "off", "fixed", "compile", "graphs"),
+                   default="auto",
                    help="beam search over fixed shapes, the same captions: fixed, compiled, "
                         "or replayed as CUDA graphs (the same --batch-size for every batch "
-                        "replays one)")
+                        "replays one); auto: graphs on CUDA, off elsewhere")
 
 
 def output_problem(path: str | Path, *, folder: bool) -> str | None:

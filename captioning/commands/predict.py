@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from captioning.checkpoint import LoadedModel
     from captioning.lit_module import CaptioningModule
     from captioning.models.captioner import DecodeConfig
-    from captioning.models.fixed_beam import FastBeam
+    from captioning.models.fixed_beam import FastBeamSetting
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def build_module(model: LoadedModel, decode: DecodeConfig, fast_beam: FastBeam = "off"
+def build_module(model: LoadedModel, decode: DecodeConfig, fast_beam: FastBeamSetting = "auto"
                  ) -> CaptioningModule:
     """A `CaptioningModule` (eval mode) holding a loaded model's weights and vocabulary,
     decoding with `decode` (`decoding_settings`: the checkpoint's, overridden as `captioning

@@ -38,7 +38,12 @@ from captioning.models.decoding import (
     sample_search,
 )
 from captioning.models.encoder import CNNEncoder, fingerprint
-from captioning.models.fixed_beam import BeamSettings, FastBeam, FixedBeamSearch
+from captioning.models.fixed_beam import (
+    BeamSettings,
+    FastBeamSetting,
+    FixedBeamSearch,
+    resolve_fast_beam,
+)
 from captioning.models.initialise import capgen_init
 from captioning.models.pretrained import (
     CONFIG_FILE,
@@ -294,12 +299,23 @@ class Captioner(nn.Module):
         self.trained_on: dict[str, Any] = {}
         #: Beam search over fixed shapes (`use_fast_beam`); None: `decoding.beam_search`.
         self.fast_beam: FixedBeamSearch | None = None
+        self.fast_beam_setting: FastBeamSetting = "off"
+        self.use_fast_beam("auto")
 
-    def use_fast_beam(self, runner: FastBeam) -> None:
+    def use_fast_beam(self, runner: FastBeamSetting) -> None:
         """Beam search by `fixed_beam.FixedBeamSearch` (the same captions over fixed shapes:
-        `fixed`, `compile`d, or replayed as CUDA `graphs`), or by `beam_search` (`off`)."""
-        check_choice("fast_beam", runner, FastBeam)
-        self.fast_beam = None if runner == "off" else FixedBeamSearch(self.decoder, runner)
+        `fixed`, `compile`d, or replayed as CUDA `graphs`), by `beam_search` (`off`), or
+        `auto`: `graphs` for grids on CUDA, `beam_search` elsewhere (`resolve_fast_beam`)."""
+        check_choice("fast_beam", runner, FastBeamSetting)
+        self.fast_beam_setting = runner
+        self.fast_beam = None if runner == "off" else \
+            FixedBeamSearch(self.decoder, "graphs" if runner == "auto" else runner)
+
+    def beam_runner(self, device: torch.device) -> FixedBeamSearch | None:
+        """The fixed-shape search that decodes grids on `device`; None: `beam_search`."""
+        if self.fast_beam is None or resolve_fast_beam(self.fast_beam_setting, device) == "off":
+            return None
+        return self.fast_beam
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -356,8 +372,9 @@ class Captioner(nn.Module):
         settings = BeamSettings(beam_size=decode.beam_size, max_len=decode.max_len,
                                 length_penalty=decode.length_penalty,
                                 forbid_unk=decode.forbid_unk, num_captions=decode.num_captions)
-        if self.fast_beam is not None:
-            return self.fast_beam(features, settings)
+        search = self.beam_runner(features.device)
+        if search is not None:
+            return search(features, settings)
         return beam_search(self.decoder, features, **asdict(settings))
 
     def captions(self, images: Tensor, decode: DecodeConfig | None = None, *,
