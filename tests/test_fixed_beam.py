@@ -149,6 +149,13 @@ def test_auto_is_graphs_on_cuda_and_beam_search_elsewhere() -> None:
         assert resolve_fast_beam(setting, cpu) == resolve_fast_beam(setting, cuda) == setting
     with pytest.raises(ValueError, match="fast_beam must be"):
         resolve_fast_beam("fast", cpu)
+    # a decoder that samples its attended location: random draws, beam_search's own
+    assert resolve_fast_beam("auto", cuda, "sample") == "off"
+    assert resolve_fast_beam("auto", cuda, "argmax") == "graphs"
+    hard = Captioner(CaptionerConfig(backbone="resnet18", weights=None, grid_size=2,
+                                     image_size=32, embed_dim=8, hidden_dim=16, attn_dim=8,
+                                     vocab_size=12, attention="hard", hard_decode="sample"))
+    assert hard.beam_runner(cuda) is None
     cfg = CaptionerConfig(backbone="resnet18", weights=None, grid_size=2, image_size=32,
                           embed_dim=8, hidden_dim=16, attn_dim=8, vocab_size=12, dropout=0.0)
     for model in (Captioner(cfg), CaptioningModule(net=cfg).captioner):  # the default: auto
@@ -175,6 +182,30 @@ def test_caption_and_predict_with_a_fast_beam_give_the_same_captions(
                          "cpu", "--num-workers", "0", *paths]) == 0
     assert sorted(r["caption"] for r in json.loads(out.read_text())) == \
         sorted(ln.split("\t")[1] for ln in by_caption[0])
+
+
+def test_a_copy_of_a_search_captures_its_own_graphs() -> None:
+    """deepcopy (an averaged model, say) and pickle keep the runner, not the captured graphs
+    (CUDA graphs and streams cannot be copied): the copy decodes the same captions."""
+    import copy
+    import pickle
+
+    cfg = CaptionerConfig(backbone="resnet18", weights=None, grid_size=2, image_size=32,
+                          embed_dim=8, hidden_dim=16, attn_dim=8, vocab_size=12, dropout=0.0)
+    model = Captioner(cfg).eval()
+    model.use_fast_beam("graphs")  # off CUDA: its in-place step over static buffers
+    grids = torch.randn(3, 4, model.encoder.dim,
+                        generator=torch.Generator().manual_seed(0))
+    decode = DecodeConfig(beam_size=3, max_len=6)
+    want = model.generate(grids, decode)
+    assert len(model.fast_beam.graphed) == 1  # type: ignore[union-attr]
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        search = twin.fast_beam
+        assert isinstance(search, FixedBeamSearch) and search.runner == "graphs"
+        assert search.decoder is twin.decoder and not search.graphed and not search.sites
+        assert_same(want, twin.generate(grids, decode))
+        assert len(search.graphed) == 1
+    assert len(model.fast_beam.graphed) == 1  # type: ignore[union-attr]
 
 
 def test_graphed_buffers_made_under_inference_mode_serve_no_grad_too() -> None:

@@ -372,11 +372,17 @@ def check_fit_on_the_fast_path(device: str, mode: str, precision: str, bucket: i
     """A Lightning fit on the fast path (`mode`, `bucket`): two epochs of batches of 7 pairs,
     the last one smaller, with the sanity check and validation. Every training step ran the fixed-shape
     pass, from the first full batch on at that batch's rows, the smaller batch too; validation
-    ran none (its loss has no gradient: the eager loop); the losses are finite. Returns the
-    shapes of the pass's tokens, call by call."""
+    ran none (its loss has no gradient: the eager loop); the losses are finite. Each
+    validation's first batch, decoded by the default `fast_beam` (`auto`: on CUDA one graph,
+    captured at the sanity check and replayed after training's own graphs recorded), gives
+    `beam_search`'s captions. Returns the shapes of the pass's tokens, call by call."""
+    from dataclasses import asdict
+
     import lightning.pytorch as L
 
+    from captioning.models.decoding import beam_search
     from captioning.models.fast_path import FixedPass
+    from captioning.models.fixed_beam import BeamSettings
 
     calls: list[tuple[int, ...]] = []
     call = FixedPass.__call__
@@ -393,6 +399,29 @@ def check_fit_on_the_fast_path(device: str, mode: str, precision: str, bucket: i
                                outputs: Any, batch: Any, batch_idx: int) -> None:
             losses.append(float(outputs["loss"]))
 
+    decoded: list[tuple[list[Any], bool]] = []  # the beam graphs kept, the same captions
+
+    class Decode(L.Callback):
+        def on_validation_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
+                                    batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            if batch_idx:
+                return
+            captioner, d = pl_module.captioner, pl_module.decode
+            features = captioner.encode(batch.images)
+            settings = BeamSettings(beam_size=d.beam_size, max_len=d.max_len,
+                                    length_penalty=d.length_penalty, forbid_unk=d.forbid_unk,
+                                    num_captions=d.num_captions)
+            weight = captioner.decoder.out.weight
+            weight.mul_(8)  # word scores spread wide: no near-ties (undone exactly below)
+            try:  # under the run's precision, as validation_step decodes
+                with trainer.precision_plugin.val_step_context():
+                    got = captioner.generate(features, d)
+                    want = beam_search(captioner.decoder, features, **asdict(settings))
+            finally:
+                weight.div_(8)
+            graphs = captioner.fast_beam.graphed.values() if captioner.fast_beam else ()
+            decoded.append((list(graphs), torch.equal(got.tokens, want.tokens)))
+
     monkeypatch.setattr(FixedPass, "__call__", recorded)
     torch._dynamo.reset()  # no graphs left by another test
     try:
@@ -403,7 +432,7 @@ def check_fit_on_the_fast_path(device: str, mode: str, precision: str, bucket: i
         trainer = L.Trainer(max_epochs=2, accelerator=device, devices=1, precision=precision,
                             logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
-                            default_root_dir=tmp_path, callbacks=[Losses()])
+                            default_root_dir=tmp_path, callbacks=[Losses(), Decode()])
         dm.setup("fit")
         sizes = [len(b) for b in dm.train_dataloader().batch_sampler]
         assert min(sizes) < 7 == max(sizes)  # a smaller last batch
@@ -416,6 +445,10 @@ def check_fit_on_the_fast_path(device: str, mode: str, precision: str, bucket: i
     assert len(calls) == 2 * len(sizes)  # every training step, on the fast path
     rows = [shape[0] for shape in calls]
     assert set(rows[rows.index(7):]) == {7}  # the second epoch's smaller batch among them
+    assert len(decoded) == 3 and all(same for _, same in decoded)  # sanity check, 2 epochs
+    graphs = [kept for kept, _ in decoded]  # on CUDA one, captured once and kept
+    assert all(len(kept) == (device == "cuda") for kept in graphs)
+    assert all(a is b for kept in graphs for a, b in zip(kept, graphs[0]))
     return calls
 
 

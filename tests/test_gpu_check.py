@@ -155,10 +155,13 @@ def test_the_gpu_tests_row_names_the_slowest_tests(tmp_path: Path) -> None:
     import gpu_check
     from bench.process import own_process_group
 
-    (tmp_path / "test_slow.py").write_text(
+    (tmp_path / "test_slow.py").write_text(  # the slowest by setup and call added up
         "import time\n\nimport pytest\n\npytestmark = pytest.mark.gpu\n\n\n"
-        "def test_slow():\n    time.sleep(1.3)\n\n\ndef test_slower():\n"
-        "    time.sleep(2.3)\n\n\ndef test_quick():\n    pass\n")
+        "@pytest.fixture\ndef slow_setup():\n    time.sleep(1.2)\n\n\n"
+        "def test_slow(slow_setup):\n    time.sleep(1.2)\n\n\n"
+        "def test_slower():\n    time.sleep(1.6)\n\n\n"
+        "def test_slowish():\n    time.sleep(1.1)\n\n\n"
+        "def test_slowest():\n    time.sleep(1.4)\n\n\ndef test_quick():\n    pass\n")
     check = gpu_check.Check(cpu=False, work=tmp_path, base={}, threads=None, coco_images=0,
                             json_path=tmp_path / "check.json")
     proc = subprocess.Popen(gpu_check.gpu_test_command([str(tmp_path / "test_slow.py")]),
@@ -166,8 +169,10 @@ def test_the_gpu_tests_row_names_the_slowest_tests(tmp_path: Path) -> None:
                             text=True, **own_process_group())
     gpu_check.finish_gpu_tests(check, proc)
     (row,) = json.loads((tmp_path / "check.json").read_text())["rows"]
-    assert row["result"] == "3 passed, 0 failed"
-    assert re.fullmatch(r"0 skipped; slowest: test_slower [23] s, test_slow 1 s", row["notes"])
+    assert row["result"] == "5 passed, 0 failed"
+    assert gpu_check.SLOWEST_TESTS == 3
+    assert re.fullmatch(r"0 skipped; slowest: test_slow [23] s, test_slower [23] s, "
+                        r"test_slowest [12] s", row["notes"]), row["notes"]
 
 
 def test_the_wheels_script_parses_and_pins_installed_packages() -> None:

@@ -305,7 +305,8 @@ class Captioner(nn.Module):
     def use_fast_beam(self, runner: FastBeamSetting) -> None:
         """Beam search by `fixed_beam.FixedBeamSearch` (the same captions over fixed shapes:
         `fixed`, `compile`d, or replayed as CUDA `graphs`), by `beam_search` (`off`), or
-        `auto`: `graphs` for grids on CUDA, `beam_search` elsewhere (`resolve_fast_beam`)."""
+        `auto`: `graphs` for grids on CUDA (unless the decoder samples its locations),
+        `beam_search` elsewhere (`resolve_fast_beam`)."""
         check_choice("fast_beam", runner, FastBeamSetting)
         self.fast_beam_setting = runner
         self.fast_beam = None if runner == "off" else \
@@ -313,7 +314,9 @@ class Captioner(nn.Module):
 
     def beam_runner(self, device: torch.device) -> FixedBeamSearch | None:
         """The fixed-shape search that decodes grids on `device`; None: `beam_search`."""
-        if self.fast_beam is None or resolve_fast_beam(self.fast_beam_setting, device) == "off":
+        rule = getattr(self.decoder, "step_rule", "expected")
+        if self.fast_beam is None or \
+                resolve_fast_beam(self.fast_beam_setting, device, rule) == "off":
             return None
         return self.fast_beam
 

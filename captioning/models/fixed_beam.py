@@ -46,13 +46,17 @@ FastBeam = Literal["off", "fixed", "compile", "graphs"]  # off: `decoding.beam_s
 FastBeamSetting = Literal["auto", "off", "fixed", "compile", "graphs"]
 
 
-def resolve_fast_beam(setting: str, device: torch.device) -> FastBeam:
-    """The beam search for grids on `device`: `auto` is `graphs` on CUDA, where it gave the
-    same captions 1.2 to 2.2x faster than `off` (docs/benchmarks.md, part 21), and `off`
-    elsewhere (on the CPU the fixed shapes measured slower). The others stand as given."""
+def resolve_fast_beam(setting: str, device: torch.device, step_rule: str = "expected"
+                      ) -> FastBeam:
+    """The beam search for grids on `device`: `auto` is `graphs` on CUDA and `off` elsewhere
+    (on the CPU the fixed shapes measured slower), and `off` for a decoder that samples its
+    attended location at each step (`step_rule` `sample`: random draws, not captured). On an
+    H200, `graphs` ran 1.2 to 2.2x `off`'s captions/s with the same best caption for every
+    image, at the paper's size with random weights and `<end>` disabled, so that every caption
+    ran 20 steps (docs/benchmarks.md, part 21). The others stand as given."""
     check_choice("fast_beam", setting, FastBeamSetting)
     if setting == "auto":
-        return "graphs" if device.type == "cuda" else "off"
+        return "graphs" if device.type == "cuda" and step_rule != "sample" else "off"
     return setting  # type: ignore[return-value]
 
 
@@ -353,6 +357,11 @@ class FixedBeamSearch:
         self.graphed: OrderedDict[tuple[object, ...], GraphedSearch] = OrderedDict()
         self.sites: dict[torch.device, CaptureSite] = {}  # where `_graphed` captures
         self.told_native = False
+
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (deepcopy, pickle) keeps the settings, not the captured graphs or streams:
+        it captures its own on first use."""
+        return {**self.__dict__, "graphed": OrderedDict(), "sites": {}}
 
     def rows(self, batch: int) -> int:
         """The images a batch of `batch` runs at."""
