@@ -40,8 +40,7 @@ class CaptioningModule(L.LightningModule):
     `spice`: SPICE too, in the test pass only (it needs the CoreNLP jars; else a warning says why).
     `fused_adam`: Adam's fused kernel; None: on CPU or CUDA, unless 16-mixed scales the loss.
     With it the non-finite check costs no host sync (`captioning.optim.StepGuard`).
-    `fast_beam`: beam search over fixed shapes (`Captioner.use_fast_beam`), the same captions;
-    `auto`: CUDA graphs on CUDA, `decoding.beam_search` elsewhere."""
+    `fast_beam`: beam search over fixed shapes (`Captioner.use_fast_beam`; `auto`: on CUDA)."""
 
     def __init__(
         self,

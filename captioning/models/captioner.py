@@ -240,6 +240,10 @@ def check_input(x: Tensor, dim: int) -> None:
 class Captioner(nn.Module):
     """Images (or cached annotation grids) in, captions and attention maps out."""
 
+    #: Beam search over fixed shapes (`use_fast_beam`); None: `decoding.beam_search`.
+    fast_beam: FixedBeamSearch | None
+    fast_beam_setting: FastBeamSetting  # `auto` resolves by the grids' device
+
     def __init__(self, config: CaptionerConfig) -> None:
         super().__init__()
         if config.vocab_size <= len(SpecialIds.__dataclass_fields__):
@@ -297,10 +301,7 @@ class Captioner(nn.Module):
         #: The data source its run read and that source's carving rule, where known
         #: (`from_pretrained`): `save_pretrained` keeps them.
         self.trained_on: dict[str, Any] = {}
-        #: Beam search over fixed shapes (`use_fast_beam`); None: `decoding.beam_search`.
-        self.fast_beam: FixedBeamSearch | None = None
-        self.fast_beam_setting: FastBeamSetting = "off"
-        self.use_fast_beam("auto")
+        self.use_fast_beam("auto")  # `fast_beam`, `fast_beam_setting`
 
     def use_fast_beam(self, runner: FastBeamSetting) -> None:
         """Beam search by `fixed_beam.FixedBeamSearch` (the same captions over fixed shapes:
