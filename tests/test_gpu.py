@@ -382,7 +382,6 @@ def check_fit_on_the_fast_path(device: str, mode: str, precision: str, bucket: i
 
     from captioning.models.decoding import beam_search
     from captioning.models.fast_path import FixedPass
-    from captioning.models.fixed_beam import BeamSettings
 
     calls: list[tuple[int, ...]] = []
     call = FixedPass.__call__
@@ -408,15 +407,12 @@ def check_fit_on_the_fast_path(device: str, mode: str, precision: str, bucket: i
                 return
             captioner, d = pl_module.captioner, pl_module.decode
             features = captioner.encode(batch.images)
-            settings = BeamSettings(beam_size=d.beam_size, max_len=d.max_len,
-                                    length_penalty=d.length_penalty, forbid_unk=d.forbid_unk,
-                                    num_captions=d.num_captions)
             weight = captioner.decoder.out.weight
             weight.mul_(8)  # word scores spread wide: no near-ties (undone exactly below)
             try:  # under the run's precision, as validation_step decodes
                 with trainer.precision_plugin.val_step_context():
                     got = captioner.generate(features, d)
-                    want = beam_search(captioner.decoder, features, **asdict(settings))
+                    want = beam_search(captioner.decoder, features, **asdict(d.beam_settings()))
             finally:
                 weight.div_(8)
             graphs = captioner.fast_beam.graphed.values() if captioner.fast_beam else ()

@@ -127,6 +127,11 @@ class DecodeConfig(_PlainConfig):
             raise ValueError("decode.num_captions must be 1 with greedy search (use beam or "
                              f"sample), got {self.num_captions}")
 
+    def beam_settings(self) -> BeamSettings:
+        """What beam search reads of these settings (`beam_search`, `FixedBeamSearch`)."""
+        return BeamSettings(self.beam_size, self.max_len, self.length_penalty, self.forbid_unk,
+                            self.num_captions)
+
 
 #: CaptionerConfig's fields that only hard attention reads, and those only its Gumbel estimator
 #: reads (`CaptionerConfig.unused`); a new field of either kind is listed here.
@@ -315,9 +320,8 @@ class Captioner(nn.Module):
 
     def beam_runner(self, device: torch.device) -> FixedBeamSearch | None:
         """The fixed-shape search that decodes grids on `device`; None: `beam_search`."""
-        rule = getattr(self.decoder, "step_rule", "expected")
-        if self.fast_beam is None or \
-                resolve_fast_beam(self.fast_beam_setting, device, rule) == "off":
+        if self.fast_beam is None or resolve_fast_beam(
+                self.fast_beam_setting, device, self.decoder.step_rule) == "off":
             return None
         return self.fast_beam
 
@@ -373,9 +377,7 @@ class Captioner(nn.Module):
             return sample_search(self.decoder, features, num_samples=decode.num_captions,
                                  temperature=decode.temperature, max_len=decode.max_len,
                                  forbid_unk=decode.forbid_unk, grad=grad, generator=generator)
-        settings = BeamSettings(beam_size=decode.beam_size, max_len=decode.max_len,
-                                length_penalty=decode.length_penalty,
-                                forbid_unk=decode.forbid_unk, num_captions=decode.num_captions)
+        settings = decode.beam_settings()
         search = self.beam_runner(features.device)
         if search is not None:
             return search(features, settings)
