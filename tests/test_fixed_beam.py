@@ -44,6 +44,13 @@ def assert_same(a: Generation, b: Generation) -> None:
     torch.testing.assert_close(b.alphas, a.alphas, atol=1e-6, rtol=1e-5)
 
 
+def tiny_config(**kw: Any) -> CaptionerConfig:
+    """A captioner small enough to build in a test (resnet18, 2x2 grid, no weights)."""
+    return CaptionerConfig(backbone="resnet18", weights=None, grid_size=2, image_size=32,
+                           embed_dim=8, hidden_dim=16, attn_dim=8, vocab_size=12, dropout=0.0,
+                           **kw)
+
+
 def features(n: int, seed: int = 0) -> Tensor:
     return torch.randn(n, L, D, generator=torch.Generator().manual_seed(seed))
 
@@ -119,8 +126,7 @@ def test_the_gpu_tests_eviction_check_passes_here() -> None:
 
 
 def test_captioner_generate_uses_the_fast_beam_it_is_given() -> None:
-    cfg = CaptionerConfig(backbone="resnet18", weights=None, grid_size=2, image_size=32,
-                          embed_dim=8, hidden_dim=16, attn_dim=8, vocab_size=12, dropout=0.0)
+    cfg = tiny_config()
     model = Captioner(cfg).eval()
     images = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     decode = DecodeConfig(beam_size=3, max_len=6, num_captions=2)
@@ -152,12 +158,9 @@ def test_auto_is_graphs_on_cuda_and_beam_search_elsewhere() -> None:
     # a decoder that samples its attended location: random draws, beam_search's own
     assert resolve_fast_beam("auto", cuda, "sample") == "off"
     assert resolve_fast_beam("auto", cuda, "argmax") == "graphs"
-    hard = Captioner(CaptionerConfig(backbone="resnet18", weights=None, grid_size=2,
-                                     image_size=32, embed_dim=8, hidden_dim=16, attn_dim=8,
-                                     vocab_size=12, attention="hard", hard_decode="sample"))
+    hard = Captioner(tiny_config(attention="hard", hard_decode="sample"))
     assert hard.beam_runner(cuda) is None
-    cfg = CaptionerConfig(backbone="resnet18", weights=None, grid_size=2, image_size=32,
-                          embed_dim=8, hidden_dim=16, attn_dim=8, vocab_size=12, dropout=0.0)
+    cfg = tiny_config()
     for model in (Captioner(cfg), CaptioningModule(net=cfg).captioner):  # the default: auto
         assert model.fast_beam_setting == "auto"
         assert model.beam_runner(cpu) is None  # beam_search
@@ -190,8 +193,7 @@ def test_a_copy_of_a_search_captures_its_own_graphs() -> None:
     import copy
     import pickle
 
-    cfg = CaptionerConfig(backbone="resnet18", weights=None, grid_size=2, image_size=32,
-                          embed_dim=8, hidden_dim=16, attn_dim=8, vocab_size=12, dropout=0.0)
+    cfg = tiny_config()
     model = Captioner(cfg).eval()
     model.use_fast_beam("graphs")  # off CUDA: its in-place step over static buffers
     grids = torch.randn(3, 4, model.encoder.dim,
