@@ -146,18 +146,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="image files, folders of images or glob patterns (quote them)")
     p.add_argument("--checkpoint", required=True,
                    help="a checkpoint file or an exported model folder (captioning export)")
-    p.add_argument("--beam-size", type=int, default=None,
-                   help="beam width (default: the checkpoint's decoding setting)")
-    p.add_argument("--max-len", type=int, default=None,
-                   help="most words per caption (default: the checkpoint's setting)")
-    p.add_argument("--sample", action="store_true",
-                   help="draw each word from softmax(logits / temperature) instead of a beam")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="sampling temperature, > 0 (default: the checkpoint's, 1.0)")
-    p.add_argument("--num-captions", type=int, default=1,
-                   help="captions per image: the N best beams (N <= beam size) or N samples")
+    add_decoding_flags(p, captions_help="captions per image: the N best beams (N <= beam size) "
+                                        "or N samples")
     p.add_argument("--batch-size", type=int, default=32, help="images decoded together")
-    add_fast_beam_flag(p)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto uses the GPU when there is one")
     p.add_argument("--json", action="store_true",
@@ -167,8 +158,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_fast_beam_flag(p: argparse.ArgumentParser) -> None:
-    """`--fast-beam`, which `caption` and `predict` share (`Captioner.use_fast_beam`)."""
+def add_decoding_flags(p: argparse.ArgumentParser, *, captions_help: str) -> None:
+    """The decoding flags that `caption` and `predict` share, read by `decoding_settings`:
+    `--beam-size`, `--max-len`, `--sample`, `--temperature`, `--num-captions` (its help
+    `captions_help`) and `--fast-beam` (`Captioner.use_fast_beam`)."""
+    p.add_argument("--beam-size", type=int, default=None,
+                   help="beam width (default: the checkpoint's decoding setting)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="most words per caption (default: the checkpoint's setting)")
+    p.add_argument("--sample", action="store_true",
+                   help="draw each word from softmax(logits / temperature) instead of a beam")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature, > 0 (default: the checkpoint's, 1.0)")
+    p.add_argument("--num-captions", type=int, default=1, help=captions_help)
     p.add_argument("--fast-beam", choices=("auto", "off", "fixed", "compile", "graphs"),
                    default="auto",
                    help="beam search over fixed shapes, the same captions: fixed, compiled, "
@@ -232,8 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         error(str(e))
         return 2
     try:
-        settings = decoding_settings(model.decode, a.beam_size, a.max_len, sample=a.sample,
-                                     temperature=a.temperature, num_captions=a.num_captions)
+        settings = decoding_settings(model.decode, a)
     except ValueError as e:
         error(str(e))
         return 2
@@ -285,17 +286,18 @@ def _caption_all(a: argparse.Namespace, model: LoadedModel, paths: list[Path],
     return done, failed
 
 
-def decoding_settings(decode: DecodeConfig, beam_size: int | None, max_len: int | None, *,
-                      sample: bool = False, temperature: float | None = None,
-                      num_captions: int = 1) -> DecodeConfig:
-    """The checkpoint's decoding settings, overridden by `--beam-size` / `--max-len` (None keeps
-    the checkpoint's); a beam search (`caption` and `predict` decode alike) keeping the
-    `num_captions` best, or with `sample` that many samples per image at `temperature`.
-    Raises ValueError, naming the option, for settings that do not go together.
+def decoding_settings(decode: DecodeConfig, flags: argparse.Namespace) -> DecodeConfig:
+    """The checkpoint's decoding settings `decode`, overridden by the `add_decoding_flags` in
+    `flags`: `--beam-size` / `--max-len` (None keeps the checkpoint's); a beam search (`caption`
+    and `predict` decode alike) keeping the `--num-captions` best, or with `--sample` that many
+    samples per image at `--temperature`. Raises ValueError, naming the option, for settings
+    that do not go together.
 
     A checkpoint evaluated greedily defaults to beam 1, which is the same search."""
     from dataclasses import replace
 
+    beam_size, max_len, sample = flags.beam_size, flags.max_len, flags.sample
+    temperature, num_captions = flags.temperature, flags.num_captions
     if temperature is not None and not (sample and temperature > 0):
         raise ValueError(f"--temperature must be > 0, with --sample (got {temperature}"
                          f"{'' if sample else ' without --sample'})")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from captioning.commands.caption import (
     Inputs,
-    add_fast_beam_flag,
+    add_decoding_flags,
     decoding_settings,
     each_file_once,
     expand_arg,
@@ -123,17 +123,9 @@ def _parser() -> argparse.ArgumentParser:
                         "beside --out")
     p.add_argument("--overlays", "--overlay", dest="overlays", metavar="DIR", default=None,
                    help="write one attention strip PNG per image into DIR")
-    p.add_argument("--beam-size", type=int, default=None,
-                   help="beam width (default: the checkpoint's decoding setting)")
-    p.add_argument("--max-len", type=int, default=None,
-                   help="most words per caption (default: the checkpoint's setting)")
-    p.add_argument("--sample", action="store_true",
-                   help="draw each word from softmax(logits / temperature) instead of a beam")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="sampling temperature, > 0 (default: the checkpoint's, 1.0)")
-    p.add_argument("--num-captions", type=int, default=1,
-                   help="captions per image: the N best beams (N <= beam size), or N samples "
-                        "with --sample; the record's `captions` list holds them all")
+    add_decoding_flags(p, captions_help="captions per image: the N best beams (N <= beam "
+                                        "size), or N samples with --sample; the record's "
+                                        "`captions` list holds them all")
     p.add_argument("--batch-size", type=int, default=32, help="images per batch and device")
     p.add_argument("--num-workers", type=int, default=2, help="image loading processes per rank")
     p.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto")
@@ -144,7 +136,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--precision", default=None,
                    help="Lightning precision, e.g. 32-true, 16-mixed, bf16-mixed")
-    add_fast_beam_flag(p)
     return p
 
 
@@ -200,8 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         model = load_checkpoint(a.checkpoint, map_location="cpu")
-        decode = decoding_settings(model.decode, a.beam_size, a.max_len, sample=a.sample,
-                                   temperature=a.temperature, num_captions=a.num_captions)
+        decode = decoding_settings(model.decode, a)
     except (CheckpointError, ValueError) as e:
         error(str(e))
         return 2
