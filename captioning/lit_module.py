@@ -105,8 +105,10 @@ class CaptioningModule(L.LightningModule):
         if getattr(dm, "feature_cache", False) and not self.net_config.finetune_encoder:
             self._attach_feature_cache(dm)
         if self.captioner.decoder.fast_path == "off":  # once: a compiled pass keeps its graphs
-            device = self.trainer.strategy.root_device if self._trainer else self.device
-            mode = resolve_fast_path(self.hparams.fast_path, device, self.net_config.attention)
+            t = self._trainer  # CUDA graphs do not keep gradients summed over several batches
+            mode = resolve_fast_path(self.hparams.fast_path, t.strategy.root_device if t else
+                                     self.device, self.net_config.attention,
+                                     accumulate=t.accumulate_grad_batches if t else 1)
             self.captioner.decoder.use_fast_path(mode, bucket=self.hparams.fast_bucket)
 
     def _attach_feature_cache(self, dm: Any) -> None:
@@ -223,10 +225,9 @@ class CaptioningModule(L.LightningModule):
         fused = hp.fused_adam if hp.fused_adam is not None else (  # unless a GradScaler
             self.device.type in ("cuda", "cpu") and not self._scaled())  # (16-mixed) unscales
         scheduled = hp.lr_schedule != "constant" or hp.warmup_steps > 0
+        steps = int(self.trainer.estimated_stepping_batches) if scheduled else 0
         return build_adam(groups, weight_decay=hp.weight_decay, fused=fused,
-                          schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
-                          total_steps=int(self.trainer.estimated_stepping_batches)
-                          if scheduled else 0)
+                          schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps, total_steps=steps)
 
     # -- evaluation --------------------------------------------------------------------------
     def generate(self, images: Tensor) -> Generation:
@@ -281,8 +282,7 @@ class CaptioningModule(L.LightningModule):
         return results
 
     def on_validation_epoch_end(self) -> None:
-        results = self._finish_eval("val")
-        if results.metrics:
+        if (results := self._finish_eval("val")).metrics:
             self.val_results = results
 
     def on_test_start(self) -> None:  # a killed test never leaves the last run's results

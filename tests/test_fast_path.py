@@ -225,6 +225,30 @@ def test_the_module_sets_the_fast_path_up_once(eager_compile: list[dict[str, Any
     assert module.captioner.decoder.fast_bucket == 4
 
 
+def test_gradients_summed_over_batches_take_compile_not_graphs(
+        eager_compile: list[dict[str, Any]]) -> None:
+    """A parameter's first gradient of a CUDA-graph pass is the graph's output itself, which
+    the next batch's replay overwrites (pytorch/pytorch#169545): where a trainer accumulates
+    gradients over batches, `graphs` (asked for, or `auto` on CUDA) runs as `compile`."""
+    import lightning.pytorch as L
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_fast_path("auto", cuda, accumulate=2) == "compile"
+    assert resolve_fast_path("graphs", cpu, accumulate=4) == "compile"
+    assert resolve_fast_path("graphs", cuda, accumulate=1) == "graphs"
+    assert resolve_fast_path("auto", cpu, accumulate=2) == "native"
+    assert resolve_fast_path("auto", cuda, "hard", accumulate=2) == "off"
+    net = CaptionerConfig(vocab_size=10, backbone="resnet18", weights=None, grid_size=2,
+                          embed_dim=8, hidden_dim=8, attn_dim=8)
+    for accumulate, mode in ((2, None), (1, "reduce-overhead")):
+        module = CaptioningModule(net=net, fast_path="graphs")
+        module.trainer = L.Trainer(accelerator="cpu", accumulate_grad_batches=accumulate,
+                                   logger=False, enable_checkpointing=False)
+        module.setup("fit")
+        assert module.captioner.decoder.fast_path == ("compile" if mode is None else "graphs")
+        assert eager_compile.pop()["mode"] == mode
+
+
 @pytest.mark.parametrize("kw", [{"output_tanh": True}, {"normalizer": "sparsemax"}])
 def test_the_model_options_take_every_path_alike(eager_compile: list[dict[str, Any]],
                                                  kw: dict[str, Any]) -> None:

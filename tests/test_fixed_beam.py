@@ -210,6 +210,23 @@ def test_a_copy_of_a_search_captures_its_own_graphs() -> None:
     assert len(model.fast_beam.graphed) == 1  # type: ignore[union-attr]
 
 
+def test_a_copy_of_a_compiled_search_compiles_its_own_step(counted_compile: Any) -> None:
+    """A `compile` runner's step is a compiled function, which pickle cannot name: a copy
+    (deepcopy, pickle) drops it and compiles its own, and decodes the same captions."""
+    import copy
+    import pickle
+
+    dec = make_decoder(3)
+    search = FixedBeamSearch(dec, "compile")
+    settings = BeamSettings(beam_size=3, max_len=6)
+    f = features(4)
+    want = search(f, settings)
+    for twin in (copy.deepcopy(search), pickle.loads(pickle.dumps(search))):
+        assert twin.runner == "compile" and twin.step is not search.step
+        assert_same(want, twin(f, settings))
+    assert counted_compile.frame_count == 3  # the original's graph, then each copy's own
+
+
 def test_graphed_buffers_made_under_inference_mode_serve_no_grad_too() -> None:
     """`caption` decodes under inference_mode, `Captioner.captions` under no_grad: the static
     buffers of one GraphedSearch serve both (uncaptured here: the same in-place step)."""

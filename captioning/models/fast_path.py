@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -19,24 +20,33 @@ from torch import Tensor
 
 from captioning.choices import check_choice
 
+log = logging.getLogger(__name__)
+
 FastPath = Literal["off", "native", "compile", "graphs"]
 # auto: graphs on CUDA (soft attention), native on the CPU
 FastPathSetting = Literal["auto", "off", "native", "compile", "graphs"]
 
 
-def resolve_fast_path(setting: str, device: torch.device, attention: str = "soft") -> FastPath:
+def resolve_fast_path(setting: str, device: torch.device, attention: str = "soft", *,
+                      accumulate: int = 1) -> FastPath:
     """The fast path for a device: `auto` is `graphs` for soft attention on CUDA and `native`
     on the CPU, where each was measured faster with soft attention (docs/benchmarks.md; on the
     CPU hard attention scores by the same kernel), and `off` elsewhere (hard attention's
     sampled passes were not measured on a GPU). `native` is a CPU kernel: `off` on other
-    devices. The others stand as given."""
+    devices. The others stand as given, except `graphs` where gradients are summed over
+    `accumulate` > 1 batches: `compile` then. A parameter's first gradient would be the
+    graphs' output itself, which the next batch's replay overwrites (pytorch/pytorch#169545)."""
     if setting == "auto":
         if device.type == "cpu":
             return "native"
-        return "graphs" if device.type == "cuda" and attention == "soft" else "off"
+        setting = "graphs" if device.type == "cuda" and attention == "soft" else "off"
     check_choice("fast_path", setting, FastPathSetting)
     if setting == "native" and device.type != "cpu":
         return "off"
+    if setting == "graphs" and accumulate > 1:
+        log.info("fast_path: compile, not graphs: gradients are accumulated over %d batches, "
+                 "which CUDA graphs' outputs do not survive", accumulate)
+        return "compile"
     return setting  # type: ignore[return-value]
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -351,17 +351,28 @@ class FixedBeamSearch:
     def __init__(self, decoder: StepDecoder, runner: BeamRunner = "compile") -> None:
         check_choice("beam runner", runner, BeamRunner)
         self.decoder, self.runner, self.most = decoder, runner, 0
-        self.step = beam_step
-        if runner == "compile":
-            self.step = torch.compile(beam_step, dynamic=False, fullgraph=True, **COMPILE_OPTIONS)
+        self.step = self._step_for(runner)
         self.graphed: OrderedDict[tuple[object, ...], GraphedSearch] = OrderedDict()
         self.sites: dict[torch.device, CaptureSite] = {}  # where `_graphed` captures
         self.told_native = False
 
+    @staticmethod
+    def _step_for(runner: BeamRunner) -> Callable[..., Any]:
+        """`beam_step`, compiled for `compile`."""
+        if runner == "compile":
+            return torch.compile(beam_step, dynamic=False, fullgraph=True, **COMPILE_OPTIONS)
+        return beam_step
+
     def __getstate__(self) -> dict[str, object]:
-        """A copy (deepcopy, pickle) keeps the settings, not the captured graphs or streams:
-        it captures its own on first use."""
-        return {**self.__dict__, "graphed": OrderedDict(), "sites": {}}
+        """A copy (deepcopy, pickle) keeps the settings, not the captured graphs or streams
+        nor the compiled step (pickle cannot name it): it makes its own on first use."""
+        state = {**self.__dict__, "graphed": OrderedDict(), "sites": {}}
+        del state["step"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.step = self._step_for(self.runner)
 
     def rows(self, batch: int) -> int:
         """The images a batch of `batch` runs at."""
