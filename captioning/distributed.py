@@ -56,6 +56,31 @@ def broadcast_object(obj: Any, *, src: int = 0) -> Any:
     return box[0]
 
 
+class RankZeroFailed(RuntimeError):
+    """Rank zero's error line, on a rank that waited for it (`rank_zero_first`)."""
+
+
+def rank_zero_first(strategy: Any, fn: Callable[[], None], *, what: str) -> None:
+    """`fn` on rank zero, then on the other ranks of a Lightning `strategy`, which wait for
+    rank zero's outcome (a broadcast): where rank zero raises, it raises there once the others
+    are told, and they raise `RankZeroFailed` with its line, where a bare barrier would hold
+    them until the collective's timeout. `what` names the work in that line."""
+    failure: Exception | None = None
+    outcome: str | None = None
+    if strategy.is_global_zero:
+        try:
+            fn()
+        except Exception as e:  # raised again below, once the other ranks are told
+            failure, outcome = e, f"{type(e).__name__}: {e}"
+    outcome = strategy.broadcast(outcome, src=0)
+    if failure is not None:
+        raise failure
+    if outcome is not None:
+        raise RankZeroFailed(f"rank zero could not {what}, so this rank stops: {outcome}")
+    if not strategy.is_global_zero:
+        fn()
+
+
 def end_process_group(*, barrier: bool = True) -> None:
     """Tear the default process group down, after a last `barrier` (skipped on an error path,
     where another rank may never reach it), so that no gloo/NCCL thread or TCP store is still

@@ -499,6 +499,53 @@ def test_every_rank_stops_when_one_cannot_copy(shapes_dm_kwargs: dict, tmp_path:
     assert verdicts == [True, False] and not dm.device_grids.held
 
 
+class OneRank:
+    """A Lightning strategy's rank for `attach_feature_cache`: `told` is what rank zero's
+    broadcast gives the other ranks; `sent` records this rank's broadcasts."""
+
+    def __init__(self, zero: bool, told: str | None = None) -> None:
+        self.is_global_zero, self.told, self.root_device = zero, told, torch.device("cpu")
+        self.sent: list[str | None] = []
+
+    def broadcast(self, obj: str | None, src: int = 0) -> str | None:
+        self.sent.append(obj)
+        return obj if self.is_global_zero else self.told
+
+
+class Opens:
+    """A data module's `use_encoder_cache`, counted, raising `error` where given."""
+
+    features_on_device = False
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error, self.calls = error, 0
+
+    def use_encoder_cache(self, encoder: Any, key: Any, device: Any = None) -> None:
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+
+
+def test_every_rank_stops_when_rank_zero_cannot_build_the_cache() -> None:
+    """Rank zero builds, then tells the others its outcome: its error stops them at once, in
+    its line (a bare barrier held them until the collective's timeout)."""
+    from captioning.distributed import RankZeroFailed
+
+    zero, dm = OneRank(zero=True), Opens(CacheError("cannot write the feature cache: no room"))
+    with pytest.raises(CacheError, match="no room"):  # its own error, after telling them
+        attach_feature_cache(dm, None, {}, strategy=zero)
+    assert zero.sent == ["CacheError: cannot write the feature cache: no room"]
+    other, dm = OneRank(zero=False, told=zero.sent[0]), Opens()
+    with pytest.raises(RankZeroFailed, match=r"^rank zero could not build the feature cache, "
+                                             r"so this rank stops: CacheError: cannot write"):
+        attach_feature_cache(dm, None, {}, strategy=other)
+    assert dm.calls == 0  # nothing opened, nothing built here
+    for rank in (OneRank(zero=True), OneRank(zero=False, told=None)):  # it went well: all open
+        dm = Opens()
+        attach_feature_cache(dm, None, {}, strategy=rank)
+        assert dm.calls == 1 and rank.sent == [None]
+
+
 def test_grids_are_copied_a_chunk_at_a_time() -> None:
     from captioning.data.device_grids import copy_in_chunks
 

@@ -47,7 +47,7 @@ from captioning.atomic import remove_stale_temporaries, write_atomic, write_json
 from captioning.choices import check_choice
 from captioning.data.cache_names import CACHE_VERSION, cache_files, cache_identity
 from captioning.data.datasets import ImageInputs
-from captioning.distributed import agreement
+from captioning.distributed import agreement, rank_zero_first
 from captioning.locks import exclusive_lock, sigterm_raises
 
 log = logging.getLogger(__name__)
@@ -426,20 +426,20 @@ def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any
 
     `key` is what the grids depend on besides the images (`Captioner.feature_cache_key()`).
     With a Lightning `strategy` (several processes), rank zero builds the cache while the
-    others wait at a barrier, then open it. Building never shifts the RNG streams. Then, with
-    `features_on_device`, the data module holds `stage`'s grids on `device` (`hold_grids`).
+    others wait for its outcome, then open it; where rank zero fails, every rank stops with its
+    error line. Building never shifts the RNG streams. Then, with `features_on_device`, the
+    data module holds `stage`'s grids on `device` (`hold_grids`).
     """
     from lightning.pytorch.utilities.seed import isolate_rng
 
     if strategy is not None and device is None:
         device = strategy.root_device
-    first = strategy is None or strategy.is_global_zero
     with isolate_rng():
-        if not first:
-            strategy.barrier("feature-cache")  # wait for rank zero's build, then open it
-        datamodule.use_encoder_cache(encoder, key, device=device)
-        if first and strategy is not None:
-            strategy.barrier("feature-cache")
+        if strategy is None:
+            datamodule.use_encoder_cache(encoder, key, device=device)
+        else:
+            rank_zero_first(strategy, lambda: datamodule.use_encoder_cache(
+                encoder, key, device=device), what="build the feature cache")
     if getattr(datamodule, "features_on_device", False) and device is not None:
         datamodule.hold_grids(device, stage=stage, agree=agreement(strategy))
 
