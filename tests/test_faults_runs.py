@@ -39,6 +39,22 @@ def test_a_second_run_in_a_busy_run_folder_refuses(shapes_dm_kwargs: dict, cache
     assert (tmp_path / "run" / "ckpt" / "last.ckpt").is_file()
 
 
+def test_only_the_launchers_rank_zero_claims_the_run_folder(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other processes of a DDP run are the same run: they neither claim its folder nor set
+    earlier checkpoints aside. Rank zero is read from every launcher's variables
+    (`launcher_rank_zero`: NODE_RANK too, which Lightning's own rank before set-up ignores, so
+    that another node's first process took itself for rank zero)."""
+    import captioning.commands.lightning as lightning_command
+
+    cfg = cli_config(tmp_path / "a.yaml", shapes_dm_kwargs, cache_dir, tmp_path / "run" / "ckpt")
+    monkeypatch.setattr(lightning_command, "launcher_rank_zero", lambda: False)
+    with claim_folder(tmp_path / "run"):  # held: rank zero's claim would be refused
+        assert main(["fit", "--config", str(cfg)]) == 0
+    assert (tmp_path / "run" / "ckpt" / "last.ckpt").is_file()
+
+
 def test_claim_folder_is_released_after_the_block(tmp_path: Path) -> None:
     # a second holder, even in this process (another open file), is refused
     with claim_folder(tmp_path / "r"), pytest.raises(FolderInUseError), \

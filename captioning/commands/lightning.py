@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from captioning.atomic import write_json_atomic
 from captioning.callbacks.problems import DataProblemsFile
@@ -67,6 +66,7 @@ from captioning.commands.hints import (
 from captioning.data.carving import CARVING_KEY, carving_record, check_carving
 from captioning.data.datamodule import CaptionDataModule
 from captioning.data.problems import DataError, save_problems
+from captioning.launch import launcher_rank_zero
 from captioning.lit_module import CaptioningModule
 from captioning.locks import claim_folder
 from captioning.models.captioner import DecodeConfig
@@ -272,7 +272,7 @@ class CaptioningCLI(LightningCLI):
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         cfg = self.config[subcommand]
-        if subcommand == "fit" and not cfg.get("ckpt_path") and rank_zero_only.rank == 0:
+        if subcommand == "fit" and not cfg.get("ckpt_path") and launcher_rank_zero():
             # once every setting is accepted: a refused command moves nothing
             set_aside_earlier_checkpoints(cfg.get("trainer", {}), cfg.get("model.init_from"))
         try:
@@ -384,14 +384,14 @@ class CaptioningCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         root = cfg.get("trainer", {}).get("default_root_dir")
-        if self.subcommand and root and self._claims is not None and rank_zero_only.rank == 0:
+        if self.subcommand and root and self._claims is not None and launcher_rank_zero():
             # one run per run folder: a second one would mix its files with this one's (the
             # other processes of a DDP run are the same run: global rank zero holds it). Held
             # before anything is written there (init_from's vocabulary).
             self._claims.enter_context(claim_folder(root))
             self._run_root = Path(str(root))
         if self.subcommand == "fit" and root and self._claims is not None \
-                and rank_zero_only.rank == 0:  # checkpoint folders outside it: held too
+                and launcher_rank_zero():  # checkpoint folders outside it: held too
             for folder in folders_outside(cfg.get("trainer", {}), root):
                 self._claims.enter_context(claim_folder(folder, what="checkpoint folder",
                                                         beside=True))
