@@ -80,9 +80,13 @@ def _acquire(fd: int, path: Path, what: str) -> bool:
 def _same_file(fd: int, path: Path) -> bool:
     try:
         st = os.stat(path)
+        own = os.fstat(fd)
     except FileNotFoundError:
         return False
-    own = os.fstat(fd)
+    except OSError as e:  # NFS: this file was removed (and maybe replaced) meanwhile
+        if e.errno == errno.ESTALE:
+            return False
+        raise
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
@@ -107,8 +111,10 @@ def exclusive_lock(target: str | os.PathLike[str], *, what: str | None = None
         fd = _open(path)
         try:
             locked = _acquire(fd, path, what)
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
+            if isinstance(e, OSError) and e.errno == errno.ESTALE:
+                continue  # NFS: the holder removed the file this process waited on
             raise
         if not locked or _same_file(fd, path):
             break

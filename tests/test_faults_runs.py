@@ -4,6 +4,7 @@ config values and disk errors, each a one-line error (no traceback) with nothing
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,28 @@ def test_only_the_launchers_rank_zero_claims_the_run_folder(
     with claim_folder(tmp_path / "run"):  # held: rank zero's claim would be refused
         assert main(["fit", "--config", str(cfg)]) == 0
     assert (tmp_path / "run" / "ckpt" / "last.ckpt").is_file()
+
+
+def test_a_lock_file_gone_stale_on_nfs_is_opened_again(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NFS, a process waiting on a lock file that its holder removed gets ESTALE: it opens
+    the lock file anew and takes that, as where the file was replaced."""
+    import fcntl
+
+    from captioning import locks
+
+    real, calls = fcntl.flock, []
+
+    def stale_once(fd: int, op: int) -> None:
+        calls.append(op)
+        if len(calls) == 1:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        real(fd, op)
+
+    monkeypatch.setattr(locks.fcntl, "flock", stale_once)
+    with locks.exclusive_lock(tmp_path / "cache") as locked:
+        assert locked and locks.lock_held(tmp_path / "cache")
+    assert len(calls) == 3  # the stale try, the new file's lock, lock_held's probe
 
 
 def test_claim_folder_is_released_after_the_block(tmp_path: Path) -> None:
