@@ -185,6 +185,7 @@ class CaptioningModule(L.LightningModule):
             what = f"values in the forward pass ({e})"  # the cause, on every rank
             if self.trainer.world_size < 2:
                 raise FloatingPointError(batch_message(what, batch, batch_idx, **where)) from e
+            self.objective.stand_in(self.captioner)  # the collectives its forward had left
             loss = poisoned_loss(self.parameters())  # DDP: the other ranks stop with this one
             self._guard.add_loss(loss, batch, batch_idx, what=what, **where)
             return loss
@@ -237,10 +238,9 @@ class CaptioningModule(L.LightningModule):
     def _eval_step(self, batch: Any, prefix: str) -> None:
         features = self.captioner.encode(batch.images)
         parts, bs = self.losses(batch, features), batch.captions.size(0)
-        for name in ("loss", "nll_per_word", "attn_entropy"):  # as each objective gives them
-            if name in parts:
-                self.log(f"{prefix}/{name}", parts[name], batch_size=bs, sync_dist=True,
-                         prog_bar=name == "loss")
+        for name in [n for n in ("loss", "nll_per_word", "attn_entropy") if n in parts]:
+            self.log(f"{prefix}/{name}", parts[name], batch_size=bs, sync_dist=True,
+                     prog_bar=name == "loss")
         if not self.hparams.compute_metrics or self.vocab is None:
             return
         gen = self.generate(features)

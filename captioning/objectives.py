@@ -75,6 +75,11 @@ class Objective(nn.Module):
                 batch: Batch) -> dict[str, Tensor]:
         raise NotImplementedError
 
+    def stand_in(self, captioner: Captioner) -> None:
+        """The collectives that `forward` takes part in under DDP, with nothing of this rank's
+        in them: for a rank whose forward pass failed, so that the ranks' collectives stay in
+        step (`CaptioningModule.training_step`). None here."""
+
 
 class MaximumLikelihood(Objective):
     """−log p(y | a) per caption, plus `doubly_stochastic` · Σ_i (1 − Σ_t α_ti)² (Eq. 14)."""
@@ -182,6 +187,10 @@ class Reinforce(MaximumLikelihood):
             parts["baseline"] = self.baseline.value.clone()
         return parts
 
+    def stand_in(self, captioner: Captioner) -> None:
+        if self.moving_baseline and self.training and captioner.decoder.attention_kind == "hard":
+            self.update_baseline(self.baseline.value.new_zeros(0), None)  # no caption of ours
+
     @torch.no_grad()
     def update_baseline(self, reward: Tensor, rows: Tensor | None) -> None:
         """b_k = m·b_{k−1} + (1 − m)·mean R over the sampled captions (`rows`, all if None) of
@@ -220,6 +229,11 @@ class TokenReinforce(Reinforce):
             used = mask if sampled is None else mask & sampled.unsqueeze(1)
             self.token_baseline.update(word_ll, targets, used, reduce=all_reduce)
         return self.per_caption(reward_to_go(word_ll, mask), mask), self.per_caption(base, mask)
+
+    def stand_in(self, captioner: Captioner) -> None:
+        if self.training and captioner.decoder.attention_kind == "hard":  # no word of ours
+            none = self.token_baseline.value.new_zeros(0)
+            self.token_baseline.update(none, none.long(), none.bool(), reduce=all_reduce)
 
 
 @register("expected")

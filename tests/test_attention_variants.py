@@ -534,6 +534,34 @@ def test_baselines_average_the_batch_statistics_of_every_rank(
     assert len(fake.calls) == 1
 
 
+@pytest.mark.parametrize("advantage", ["sequence", "token", "expected"])
+def test_a_rank_whose_forward_failed_stands_in_for_its_collectives(
+        advantage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DDP rank whose forward pass failed (NaN attention to sample from) still takes part
+    in the collectives the others' forward passes make, in the same order and shapes, with
+    nothing of its own in them: else its gradient all-reduce would meet their baseline's."""
+    model = captioner(attention="hard", semi_sampling_prob=0.0, hard_decode="sample").train()
+    b = batch(16, B=3)
+    fake = FakeAllReduce({(2,): torch.tensor([-30.0, 3.0]), (2, V): torch.zeros(2, V)})
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", fake)
+    healthy = build_objective(attention="hard", advantage=advantage, vocab_size=V).train()
+    healthy(model, b.images, b)
+    made, fake.calls = fake.calls, []
+    failed = build_objective(attention="hard", advantage=advantage, vocab_size=V).train()
+    failed.stand_in(model)
+    assert fake.calls == made == {"sequence": [(2,)], "token": [(2, V)], "expected": []}[
+        advantage]
+    if advantage == "sequence":  # the others' mean reward only: 3 captions of −10
+        assert failed.baseline.value.item() == pytest.approx(0.1 * -10.0)
+    fake.calls = []
+    failed.eval().stand_in(model)  # no update, so no collective, outside training
+    soft = build_objective(attention="soft", advantage=advantage, vocab_size=V).train()
+    soft.stand_in(captioner(attention="soft"))
+    assert fake.calls == []
+
+
 def _gloo_rank(rank: int, init_file: str, out: str) -> None:
     """One of two gloo ranks: a training step of the token estimator on its own batch."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}",

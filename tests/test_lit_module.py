@@ -162,6 +162,33 @@ def test_a_failed_forward_pass_still_reaches_every_parameter() -> None:
     assert len(trainable) == 3 and all(bool(p.grad.isnan().all()) for p in trainable)
 
 
+def test_a_ddp_rank_whose_forward_failed_joins_the_others_collectives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DDP a rank whose forward pass met NaN returns the poisoned loss, after standing in
+    for the collectives its objective's forward would have made (`Objective.stand_in`)."""
+    from types import SimpleNamespace
+
+    from captioning.models.captioner import CaptionerConfig
+
+    net = CaptionerConfig(vocab_size=10, backbone="resnet18", weights=None, grid_size=2,
+                          embed_dim=8, hidden_dim=8, attn_dim=8, attention="hard")
+    module = CaptioningModule(net=net).train()
+    module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    monkeypatch.setattr(L.Trainer, "world_size", property(lambda self: 2))
+
+    def nan_attention(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    stood_in: list[Any] = []
+    monkeypatch.setattr(module.captioner.decoder, "forward", nan_attention)
+    monkeypatch.setattr(module.objective, "stand_in", stood_in.append)
+    batch = SimpleNamespace(images=torch.zeros(2, 4, module.captioner.encoder.dim),
+                            captions=torch.ones(2, 4, dtype=torch.long),
+                            lengths=torch.tensor([4, 3]), image_ids=["a", "b"])
+    loss = module.training_step(batch, 0)
+    assert stood_in == [module.captioner] and bool(loss.isnan())
+
+
 def _scaled_run(fused: bool, shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path
                 ) -> tuple[L.Trainer, L.LightningModule, L.LightningDataModule, Any]:
     """A 16-mixed run with gradient clipping whose GradScaler overflows on the first steps."""
