@@ -1,4 +1,4 @@
-"""Checkpoints: key names, the safe reader, fit checks, RNG state, key maps for older files,
+"""Checkpoints: key names, the safe reader, fit checks, key maps for older files,
 and loading a trained captioner without Lightning.
 
 Both the Lightning checkpoints written by training and the small inference files written by
@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import random
 import re
 import zipfile
 from collections.abc import Mapping
@@ -29,7 +28,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from captioning.atomic import write_atomic
@@ -417,34 +415,3 @@ def check_fits(checkpoint: Mapping[str, Any], *, state: Mapping[str, torch.Tenso
     raise CheckpointError(
         f"the checkpoint's weights do not fit this model ({len(problems)} tensors, first: "
         f"{'; '.join(problems[:3])}){detail}")
-
-
-def rng_states() -> dict[str, Any]:
-    """The torch (CPU, CUDA), numpy and python RNG states, as tensors and plain data (so that
-    checkpoints stay loadable with `torch.load(weights_only=True)`)."""
-    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    states: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: Mapping[str, Any]) -> None:
-    """Restore what `rng_states` returned (missing parts are left alone)."""
-    if "torch" in states:
-        torch.set_rng_state(states["torch"].cpu())
-    if "numpy" in states:
-        n = states["numpy"]
-        np.random.set_state(("MT19937", n["keys"].cpu().numpy().astype(np.uint32), n["pos"],
-                             n["has_gauss"], n["cached_gaussian"]))
-    if "python" in states:
-        version, internal, gauss = states["python"]
-        random.setstate((version, tuple(internal), gauss))
-    cuda = states.get("cuda")
-    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([t.cpu() for t in cuda])

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from captioning import checkpoint as ckpt
-from captioning import evaluation
+from captioning import evaluation, rng_state
 from captioning.callbacks.gumbel import GumbelTemperature
 from captioning.data.carving import CARVING, CARVING_KEY, check_carving
 from captioning.data.features import attach_feature_cache
@@ -123,7 +123,7 @@ class CaptioningModule(L.LightningModule):
         if self.vocab is not None:
             checkpoint[ckpt.CHECKPOINT_VOCAB_KEY] = self.vocab.to_dict()
         checkpoint[ckpt.CHECKPOINT_CONFIG_KEY] = self.net_config.to_dict()
-        checkpoint[ckpt.CHECKPOINT_RNG_KEY] = ckpt.rng_states()
+        checkpoint[ckpt.CHECKPOINT_RNG_KEY] = rng_state.saved_rng_states()  # each DDP rank's
         checkpoint[CARVING_KEY] = CARVING
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -139,7 +139,7 @@ class CaptioningModule(L.LightningModule):
         # seeds) where the checkpoint left them, before the fit loop makes its first iterator.
         rng = checkpoint.get(ckpt.CHECKPOINT_RNG_KEY)
         if rng is not None and trainer is not None and trainer.state.fn == "fit":
-            ckpt.set_rng_states(rng)
+            rng_state.restore_rng_states(rng, rank=trainer.global_rank, world=trainer.world_size)
 
     def _refresh_feature_cache(self, checkpoint: dict[str, Any]) -> None:
         """Setup built the feature cache with the encoder as constructed; when the checkpoint

@@ -267,3 +267,25 @@ def test_a_checkpoint_saved_without_checksums_loads(trained: Trained, tmp_path: 
     for (name, a), b in zip(got.captioner.state_dict().items(),
                             want.captioner.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_each_ddp_rank_resumes_its_own_random_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DDP a checkpoint holds every rank's streams ("ranks", in rank order) beside rank
+    zero's own; a resume of as many ranks takes its own, any other resume rank zero's (as an
+    older checkpoint holds only those)."""
+    import captioning.rng_state as rng
+
+    assert "ranks" not in rng.saved_rng_states()  # one process: its own, as before
+    torch.manual_seed(5)
+    other = rng.rng_states()  # "rank one's"
+    torch.manual_seed(4)
+    monkeypatch.setattr(rng, "world_size", lambda: 2)
+    monkeypatch.setattr(rng, "all_gather_objects", lambda own: [own, other])
+    saved = rng.saved_rng_states()
+    mine = torch.rand(3)  # rank zero's next draws
+    rng.restore_rng_states(saved, rank=1, world=2)
+    assert torch.equal(torch.get_rng_state(), other["torch"])
+    rng.restore_rng_states(saved, rank=1, world=4)  # another number of ranks: rank zero's
+    assert torch.equal(torch.rand(3), mine)
+    rng.restore_rng_states({k: v for k, v in saved.items() if k != "ranks"}, rank=1, world=2)
+    assert torch.equal(torch.rand(3), mine)

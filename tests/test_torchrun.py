@@ -17,6 +17,7 @@ import torch
 import yaml
 from tiny_runs import REPO, cli_config
 
+from captioning.checkpoint import CHECKPOINT_RNG_KEY
 from captioning.data.datamodule import CaptionDataModule
 from captioning.launch import fresh_launch_env, launcher_rank_zero
 
@@ -77,6 +78,7 @@ def test_torchrun_two_processes_train_one_epoch(shapes_dm_kwargs: dict[str, Any]
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt"]  # one, by rank zero
     ckpt = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == len(lines[0])  # one optimiser step per batch of each rank
+    assert len(ckpt[CHECKPOINT_RNG_KEY]["ranks"]) == 2  # each rank's own random streams
 
 
 SRUN_STUB = """#!/bin/bash
