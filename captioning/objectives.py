@@ -76,9 +76,8 @@ class Objective(nn.Module):
         raise NotImplementedError
 
     def stand_in(self, captioner: Captioner) -> None:
-        """The collectives that `forward` takes part in under DDP, with nothing of this rank's
-        in them: for a rank whose forward pass failed, so that the ranks' collectives stay in
-        step (`CaptioningModule.training_step`). None here."""
+        """`forward`'s DDP collectives with nothing of this rank's in them, for a rank whose
+        forward failed: the ranks' collectives stay in step (`training_step`). None here."""
 
 
 class MaximumLikelihood(Objective):
@@ -188,8 +187,13 @@ class Reinforce(MaximumLikelihood):
         return parts
 
     def stand_in(self, captioner: Captioner) -> None:
-        if self.moving_baseline and self.training and captioner.decoder.attention_kind == "hard":
-            self.update_baseline(self.baseline.value.new_zeros(0), None)  # no caption of ours
+        if self.training and captioner.decoder.attention_kind == "hard":  # its forward sampled
+            self.stand_in_reward()
+            if self.moving_baseline:
+                self.update_baseline(self.baseline.value.new_zeros(0), None)  # none of ours
+
+    def stand_in_reward(self) -> None:
+        """`stand_in` for the collectives of `reward_and_baseline`: none here."""
 
     @torch.no_grad()
     def update_baseline(self, reward: Tensor, rows: Tensor | None) -> None:
@@ -230,10 +234,9 @@ class TokenReinforce(Reinforce):
             self.token_baseline.update(word_ll, targets, used, reduce=all_reduce)
         return self.per_caption(reward_to_go(word_ll, mask), mask), self.per_caption(base, mask)
 
-    def stand_in(self, captioner: Captioner) -> None:
-        if self.training and captioner.decoder.attention_kind == "hard":  # no word of ours
-            none = self.token_baseline.value.new_zeros(0)
-            self.token_baseline.update(none, none.long(), none.bool(), reduce=all_reduce)
+    def stand_in_reward(self) -> None:
+        none = self.token_baseline.value.new_zeros(0)  # no word of ours
+        self.token_baseline.update(none, none.long(), none.bool(), reduce=all_reduce)
 
 
 @register("expected")

@@ -49,8 +49,8 @@ def saved_rng_states() -> dict[str, Any]:
     under DDP every rank's under "ranks", in rank order. A collective there: every rank saves a
     checkpoint together (Lightning's `Trainer.save_checkpoint`)."""
     states = rng_states()
-    if world_size() > 1:
-        states["ranks"] = all_gather_objects(rng_states())
+    if world_size() > 1:  # each rank's pickled as gathered, before "ranks" is added
+        states["ranks"] = all_gather_objects(states)
     return states
 
 
