@@ -5,10 +5,12 @@ before torch.distributed is set up: `captioning.launch`.)"""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
 
 
 def is_distributed() -> bool:
@@ -47,36 +49,50 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return parts
 
 
-def broadcast_object(obj: Any, *, src: int = 0) -> Any:
-    """Rank `src`'s `obj` (picklable), on every rank; `obj` outside torch.distributed."""
-    if not is_distributed():
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=src)
-    return box[0]
+def host_group() -> Any:
+    """A process group for one-number votes on the host: the default group where it is gloo,
+    else a gloo group of every rank (every rank must call this together). A vote there never
+    waits for the GPU's queue, as an NCCL collective's `.item()` would."""
+    if torch.distributed.get_backend() == "gloo":
+        return None  # the default group
+    return torch.distributed.new_group(backend="gloo")
+
+
+def host_max(value: int, group: Any) -> int:
+    """The largest of every rank's `value`, by a CPU all-reduce over `group` (`host_group`)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return int(t.item())
 
 
 class RankZeroFailed(RuntimeError):
-    """Rank zero's error line, on a rank that waited for it (`rank_zero_first`)."""
+    """Rank zero's error line, on a rank that waited for it (`rank_zero_result`)."""
 
 
-def rank_zero_first(strategy: Any, fn: Callable[[], None], *, what: str) -> None:
-    """`fn` on rank zero, then on the other ranks of a Lightning `strategy`, which wait for
-    rank zero's outcome (a broadcast): where rank zero raises, it raises there once the others
-    are told, and they raise `RankZeroFailed` with its line, where a bare barrier would hold
-    them until the collective's timeout. `what` names the work in that line."""
-    failure: Exception | None = None
-    outcome: str | None = None
+def rank_zero_result(strategy: Any, fn: Callable[[], T], *, what: str) -> T:
+    """`fn()` run on rank zero of a Lightning `strategy` alone, its result on every rank (a
+    broadcast). Where rank zero raises (SIGTERM's `Terminated` included), it raises there once
+    the others are told, and they raise `RankZeroFailed` with its line, where a bare wait would
+    hold them until the collective's timeout. `what` names the work in that line."""
+    failure: BaseException | None = None
+    sent: tuple[Any, str | None] = (None, None)  # (the result, rank zero's error line)
     if strategy.is_global_zero:
         try:
-            fn()
-        except Exception as e:  # raised again below, once the other ranks are told
-            failure, outcome = e, f"{type(e).__name__}: {e}"
-    outcome = strategy.broadcast(outcome, src=0)
+            sent = (fn(), None)
+        except BaseException as e:  # raised again below, once the other ranks are told
+            failure, sent = e, (None, f"{type(e).__name__}: {e}")
+    result, outcome = strategy.broadcast(sent, src=0)
     if failure is not None:
         raise failure
     if outcome is not None:
         raise RankZeroFailed(f"rank zero could not {what}, so this rank stops: {outcome}")
+    return result
+
+
+def rank_zero_first(strategy: Any, fn: Callable[[], None], *, what: str) -> None:
+    """`fn` on rank zero, then on the other ranks, once rank zero's went well
+    (`rank_zero_result`)."""
+    rank_zero_result(strategy, fn, what=what)
     if not strategy.is_global_zero:
         fn()
 

@@ -17,7 +17,7 @@ from captioning import evaluation, rng_state
 from captioning.callbacks.gumbel import GumbelTemperature
 from captioning.data.carving import CARVING, CARVING_KEY, check_carving
 from captioning.data.features import attach_feature_cache
-from captioning.distributed import broadcast_object
+from captioning.distributed import rank_zero_result
 from captioning.evaluation import EvalResults, compute_metrics, gather, to_results, write_results
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig
 from captioning.models.decoding import Generation
@@ -264,19 +264,19 @@ class CaptioningModule(L.LightningModule):
     on_test_epoch_start = on_validation_epoch_start
 
     def _finish_eval(self, prefix: str) -> EvalResults:
-        results = gather(self._pending)
-        self._pending = EvalResults()
+        results, self._pending = gather(self._pending), EvalResults()
         if not results.hypotheses or self.trainer.sanity_checking:
             return results
-        metrics: dict[str, float] = {}
-        if self.trainer.is_global_zero:
+
+        def score() -> dict[str, float]:  # on rank zero; its scores, or its error, on every rank
             dm = getattr(self.trainer, "datamodule", None)
             metrics = compute_metrics(results, grid=self.captioner.grid,
                                       grounding=getattr(dm, "grounding", None),
                                       image_size=getattr(dm, "image_size", None),
                                       spice=self.hparams.spice and prefix == "test")
-            metrics["images"] = float(len(results.hypotheses))  # scored (bad ones skipped)
-        results.metrics = metrics = broadcast_object(metrics)  # rank zero's, on every rank
+            return {**metrics, "images": float(len(results.hypotheses))}  # scored ones
+        strategy = self.trainer.strategy
+        results.metrics = metrics = rank_zero_result(strategy, score, what="score the captions")
         for name, value in metrics.items():
             self.log(f"{prefix}/{name}", value, rank_zero_only=False, sync_dist=False)
         return results

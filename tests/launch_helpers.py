@@ -1,10 +1,12 @@
-"""Helpers of the launcher tests (tests/test_torchrun.py): a callback that the `captioning fit`
+"""Helpers of the launcher tests (tests/test_torchrun.py): callbacks that the `captioning fit`
 processes of a multi-process run load by class path (`launch_helpers.RecordRankPairs`, with
 tests/ on PYTHONPATH)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +43,16 @@ class RecordRankPairs(L.Callback):
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+class SignalOneRank(L.Callback):
+    """Sends `signal_name` to this process on rank `rank` only, as training step `step`
+    starts: a signal that reached one rank of a DDP run."""
+
+    def __init__(self, rank: int, step: int, signal_name: str) -> None:
+        self.rank, self.step, self.signal_name = rank, step, signal_name
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), getattr(signal, self.signal_name))

@@ -136,3 +136,41 @@ def test_ddp_samplers_shard_and_bucket(setup_ddp: dict[str, Any],
 
 def test_overlays_on_rank_zero_only(ddp_results: dict[str, Any]) -> None:
     assert ddp_results["overlays_per_rank"] == [2, 0]
+
+
+class Rank:
+    """A Lightning strategy's rank for `rank_zero_result`: rank zero's broadcast is `told`."""
+
+    def __init__(self, zero: bool, told: Any = None) -> None:
+        self.is_global_zero, self.told, self.sent = zero, told, []
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self.sent.append(obj)
+        return obj if self.is_global_zero else self.told
+
+
+def test_rank_zeros_result_or_its_interruption_reaches_every_rank() -> None:
+    """Only rank zero scores; the others get its scores, or stop at once with its line when it
+    was stopped (SIGTERM during scoring), where they would wait for the broadcast till the
+    collective's timeout."""
+    from captioning.distributed import RankZeroFailed, rank_zero_result
+    from captioning.locks import Terminated
+
+    calls = []
+    zero = Rank(zero=True)
+    assert rank_zero_result(zero, lambda: calls.append(0) or {"bleu": 0.5}, what="score") == {
+        "bleu": 0.5}
+    other = Rank(zero=False, told=zero.sent[0])
+    assert rank_zero_result(other, lambda: calls.append(1) or {}, what="score") == {"bleu": 0.5}
+    assert calls == [0]  # never run on the other rank
+
+    def stopped() -> dict[str, float]:
+        raise Terminated("interrupted by SIGTERM")
+
+    zero = Rank(zero=True)
+    with pytest.raises(Terminated):  # its own interruption, once the others are told
+        rank_zero_result(zero, stopped, what="score the captions")
+    other = Rank(zero=False, told=zero.sent[0])
+    with pytest.raises(RankZeroFailed, match="rank zero could not score the captions, so this "
+                                             "rank stops: Terminated: interrupted by SIGTERM"):
+        rank_zero_result(other, stopped, what="score the captions")

@@ -505,11 +505,11 @@ class OneRank:
 
     def __init__(self, zero: bool, told: str | None = None) -> None:
         self.is_global_zero, self.told, self.root_device = zero, told, torch.device("cpu")
-        self.sent: list[str | None] = []
+        self.sent: list[str | None] = []  # rank zero's error lines (None: it went well)
 
-    def broadcast(self, obj: str | None, src: int = 0) -> str | None:
-        self.sent.append(obj)
-        return obj if self.is_global_zero else self.told
+    def broadcast(self, obj: tuple[None, str | None], src: int = 0) -> tuple[None, str | None]:
+        self.sent.append(obj[1])
+        return obj if self.is_global_zero else (None, self.told)
 
 
 class Opens:

@@ -81,6 +81,29 @@ def test_torchrun_two_processes_train_one_epoch(shapes_dm_kwargs: dict[str, Any]
     assert len(ckpt[CHECKPOINT_RNG_KEY]["ranks"]) == 2  # each rank's own random streams
 
 
+@pytest.mark.parametrize(("signal_name", "said"), [("SIGTERM", "SIGTERM"), ("SIGINT", "Ctrl-C")])
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_batch(
+        shapes_dm_kwargs: dict[str, Any], tmp_path: Path, signal_name: str, said: str) -> None:
+    """Rank 1 alone is signalled as step 2 starts: both ranks finish that batch, stop, and
+    save one last.ckpt at step 3 together, none left waiting in a collective."""
+    ckpt_dir, pairs_dir = tmp_path / "ckpt", tmp_path / "pairs"
+    callbacks = [{"class_path": "launch_helpers.RecordRankPairs",
+                  "init_args": {"folder": str(pairs_dir)}},
+                 {"class_path": "launch_helpers.SignalOneRank",
+                  "init_args": {"rank": 1, "step": 2, "signal_name": signal_name}}]
+    cfg = cli_config(tmp_path / "fit.yaml", shapes_dm_kwargs, tmp_path / "features", ckpt_dir,
+                     callbacks=callbacks, limit_train_batches=1.0, max_epochs=20)
+    proc = _torchrun_fit(cfg, tmp_path)
+    assert proc.returncode != 0, proc.stderr[-3000:]  # an interrupted run says so
+    steps = {r: len((pairs_dir / f"rank{r}.jsonl").read_text().splitlines()) for r in (0, 1)}
+    assert steps == {0: 3, 1: 3}, proc.stderr[-3000:]  # steps 0, 1 and 2, on each rank
+    ckpt = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 3
+    assert len(ckpt[CHECKPOINT_RNG_KEY]["ranks"]) == 2  # saved by both ranks together
+    lines = [line for line in proc.stderr.splitlines() if f"interrupted by {said};" in line]
+    assert len(lines) == 2 and all("last.ckpt" in line for line in lines), proc.stderr[-3000:]
+
+
 SRUN_STUB = """#!/bin/bash
 # srun for the test: log the command, then run it here as one task with the test's overrides.
 while [[ $# -gt 0 && $1 == --* ]]; do shift 2; done   # srun's own options, each with a value

@@ -12,10 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
+import torch
 
+from captioning.distributed import host_group, host_max, is_distributed
 from captioning.run_folder import RUN_CHECKPOINTS
 
 log = logging.getLogger(__name__)
+
+#: A rank's vote to stop a DDP run, by index; the largest wins: none, SIGTERM, Ctrl-C.
+VOTES = (None, "SIGTERM", "SIGINT")
 
 
 class CheckpointOnInterrupt(L.Callback):
@@ -42,6 +47,13 @@ class CheckpointOnInterrupt(L.Callback):
     epoch: the data order is seeded per epoch, the training loader saves its place in the
     epoch (`captioning.data.samplers.ResumableDataLoader`) and `CaptioningModule` stores the
     RNG states.
+
+    Under DDP the ranks stop together: a signal only casts this rank's vote, and every rank
+    reads the votes at the end of each training (and fit-validation) batch, by a CPU
+    all-reduce, so that all of them stop after the same batch and save one checkpoint
+    together, whichever rank the signal reached and whenever it came. (Lightning's own
+    SIGTERM handler sets each rank's flag when its signal comes, which a rank then acts on
+    alone at its batch end, leaving the others in a collective it never joins.)
     """
 
     def __init__(self, graceful_sigint: bool = True) -> None:
@@ -52,6 +64,11 @@ class CheckpointOnInterrupt(L.Callback):
         self._stop_requested = False
         self._trainer: L.Trainer | None = None
         self._previous_handler: Any = None
+        self._previous_sigterm: Any = None  # Lightning's SIGTERM handler, while ours votes
+        self._cause: str | None = None  # the signal the stop was asked for by
+        self._voting = False  # DDP: a signal is a vote that every rank reads at each batch end
+        self._vote = 0  # this rank's: an index into VOTES
+        self._group: Any = None  # the host process group of the vote
         self._epoch_start = False  # saving an interruption that came before the epoch's batches
         self._validating = False  # saving an interruption of the epoch's validation
         # the other callbacks' states as the fit's latest validation started, and its step
@@ -62,9 +79,31 @@ class CheckpointOnInterrupt(L.Callback):
         # Lightning installs its SIGTERM handler just before this hook (and restores every
         # handler at teardown); installing ours here keeps that restore correct.
         self._training, self._stop_requested, self._trainer = True, False, trainer
-        if self.graceful_sigint and threading.current_thread() is threading.main_thread():
+        self._cause, self._vote = None, 0
+        main = threading.current_thread() is threading.main_thread()
+        if self.graceful_sigint and main:
             self._previous_handler = signal.getsignal(signal.SIGINT)
             signal.signal(signal.SIGINT, self._on_sigint)
+        self._voting = trainer.world_size > 1 and is_distributed()
+        if not self._voting:
+            return
+        self._group = host_group()
+        connector = getattr(trainer, "_signal_connector", None)
+        if getattr(connector, "received_sigterm", False):  # came before training: a vote too
+            connector.received_sigterm, self._vote = False, VOTES.index("SIGTERM")
+        if main:
+            self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self._count_votes(trainer)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if self._training and not trainer.sanity_checking:
+            self._count_votes(trainer)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A checkpoint saved during this validation resumes into it from its start: the other
@@ -83,21 +122,21 @@ class CheckpointOnInterrupt(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._training = False
-        self._restore_sigint()
+        self._restore_handlers()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._restore_sigint()
+        self._restore_handlers()
         self._trainer = None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
-        self._restore_sigint()
+        self._restore_handlers()
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         if isinstance(exception, KeyboardInterrupt):
             cause = "KeyboardInterrupt"
         elif isinstance(exception, SIGTERMException):
-            cause = "SIGINT" if self._stop_requested else "SIGTERM"
+            cause = self._cause or "SIGTERM"
         else:
             return
         with contextlib.suppress(AttributeError):
@@ -157,17 +196,38 @@ class CheckpointOnInterrupt(L.Callback):
         if self._stop_requested or connector is None or not hasattr(connector, "received_sigterm"):
             raise KeyboardInterrupt
         self._stop_requested = True
-        # Lightning's own graceful-stop flag: the loops raise SIGTERMException at the next
-        # batch (or epoch) boundary, after the step's bookkeeping is complete.
-        connector.received_sigterm = True
+        if self._voting:
+            self._vote = max(self._vote, VOTES.index("SIGINT"))
+        else:  # Lightning's own graceful-stop flag: the loops raise SIGTERMException at the
+            # next batch (or epoch) boundary, after the step's bookkeeping is complete.
+            connector.received_sigterm, self._cause = True, "SIGINT"
         log.warning("Ctrl-C: stopping after the current batch and saving a checkpoint "
                     "(press Ctrl-C again to stop at once)")
 
-    def _restore_sigint(self) -> None:
-        if self._previous_handler is not None and \
-                threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self._previous_handler)
-        self._previous_handler = None
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._vote = max(self._vote, VOTES.index("SIGTERM"))
+        log.warning("SIGTERM: stopping with the other ranks after the current batch")
+
+    def _count_votes(self, trainer: L.Trainer) -> None:
+        """DDP: every rank's vote; where any asks to stop, every rank sets Lightning's flag
+        now, at the same batch, and its loops raise `SIGTERMException` at this batch's end."""
+        if not self._voting or self._cause is not None:
+            return
+        vote = host_max(self._vote, self._group)
+        if vote:
+            self._cause = VOTES[vote]
+            trainer._signal_connector.received_sigterm = True
+
+    def _restore_handlers(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for signum, previous in ((signal.SIGINT, self._previous_handler),
+                                     (signal.SIGTERM, self._previous_sigterm)):
+                if previous is not None:
+                    signal.signal(signum, previous)
+        self._previous_handler = self._previous_sigterm = None
+        if self._group is not None:
+            torch.distributed.destroy_process_group(self._group)
+        self._group, self._voting = None, False
 
 
 def _validation_key(trainer: Any) -> tuple[int, int]:

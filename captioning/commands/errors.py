@@ -30,10 +30,11 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from captioning.data.features import CacheError
     from captioning.data.images import ImageLoadError
     from captioning.data.problems import DataError
+    from captioning.distributed import RankZeroFailed  # rank zero reports its own error
 
     return (ConfigError, DataError, ImageLoadError, FloatingPointError, FileNotFoundError,
             FileExistsError, PermissionError, NotADirectoryError, IsADirectoryError,
-            CheckpointError, CacheError)
+            CheckpointError, CacheError, RankZeroFailed)
 
 
 #: Errors of the disk or file system (not of the program): a full disk or quota, a file-size
