@@ -12,6 +12,7 @@ from captioning.models.pass_grads import (
     RecurrentProduct,
     linear,
     lstm_pass_weights,
+    mm,
     onednn_usable,
 )
 
@@ -200,8 +201,9 @@ def test_the_lstm_weights_of_a_pass_get_plain_gradients_in_their_own_layout() ->
 def test_linear_by_onednn_equals_f_linear_and_its_gradients(
         shape: tuple[int, ...], bias: bool, x_grad: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`linear(onednn=True)`: the forward by oneDNN where it takes a float32 product (spied),
-    equal to F.linear's to float32 rounding, and the gradients too; a frozen input gets none."""
+    """`linear(onednn=True)`: the forward and the gradients' products by oneDNN where it takes
+    a float32 product (spied), equal to F.linear's to float32 rounding; a frozen input gets
+    no gradient, and no product for one."""
     g = torch.Generator().manual_seed(3)
     x0 = torch.randn(*shape, generator=g)
     w0, b0 = torch.randn(9, 12, generator=g), torch.randn(9, generator=g)
@@ -221,7 +223,7 @@ def test_linear_by_onednn_equals_f_linear_and_its_gradients(
         return [y.detach(), x.grad, w.grad, None if b is None else b.grad]
 
     fast, ref = run(True), run(False)
-    assert len(calls) == 1
+    assert len(calls) == 2 + x_grad  # the output, W's gradient, and x's where it needs one
     for a, b in zip(fast, ref, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
@@ -229,3 +231,26 @@ def test_linear_by_onednn_equals_f_linear_and_its_gradients(
     assert (fast[1] is None) == (not x_grad)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's products: F.linear's
         assert linear(x0, w0, b0, onednn=True).dtype == torch.bfloat16
+
+
+def test_a_product_by_onednn_equals_atens_for_any_operand_layout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mm`: a @ b by oneDNN for float32 operands as they lie (either one transposed, or a
+    strided slice, copied first), to float32 rounding; other dtypes, and `onednn` False, by
+    ATen."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(40, 24, generator=g), torch.randn(24, 16, generator=g)
+    if not onednn_usable(b):
+        pytest.skip("oneDNN cannot take float32 products here")
+    calls = []
+    op = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *x: (calls.append(1), op(*x))[1])
+    layouts = [(a, b), (a.t().contiguous().t(), b), (a, b.t().contiguous().t()),
+               (torch.randn(40, 48, generator=g)[:, ::2], b)]  # the last: neither way contiguous
+    for x, y in layouts:
+        torch.testing.assert_close(mm(x, y), x @ y, rtol=1e-6, atol=1e-5)
+    assert len(calls) == len(layouts)
+    assert torch.equal(mm(a.double(), b.double()), a.double() @ b.double())
+    assert torch.equal(mm(a, b, onednn=False), a @ b)
+    assert len(calls) == len(layouts)  # neither went to oneDNN

@@ -89,9 +89,11 @@ class Scorer(nn.Module):
                 rows: Tensor | None = None, query: RecurrentProduct | None = None) -> Tensor:
         raise NotImplementedError
 
-    def query_product(self) -> RecurrentProduct | None:
-        """h_{t-1} W_q^T for the steps of one teacher-forced pass (None: no `query` layer)."""
-        return None if self.query is None else RecurrentProduct(self.query.weight.t())
+    def query_product(self, *, onednn: bool = False) -> RecurrentProduct | None:
+        """h_{t-1} W_q^T for the steps of one teacher-forced pass (None: no `query` layer);
+        `onednn`: by oneDNN where it takes it (`RecurrentProduct`)."""
+        return None if self.query is None else RecurrentProduct(self.query.weight.t(),
+                                                                onednn=onednn)
 
     def project_query(self, h: Tensor, query: RecurrentProduct | None) -> Tensor:
         """W_q h_{t-1} (+ the layer's bias) (b, A), by the pass's `query` product if given."""

@@ -56,6 +56,7 @@ from captioning.models.pass_grads import (
     PassGradient,
     RecurrentProduct,
     autocast_dtype,
+    linear,
     lstm_pass_weights,
 )
 from captioning.models.repeats import per_distinct_row, repeated_rows
@@ -210,10 +211,11 @@ class AttentionLSTMDecoder(nn.Module):
     def _word_gates(self, emb: Tensor, weight: Tensor | None = None) -> Tensor:
         """The LSTM gates' part from the previous word, with both biases: (..., E) -> (..., 4H).
         Teacher forcing computes it for every step at once, as one large product, by its
-        `weight` (4H, E) from `_pass_weights`. By MKL, not oneDNN: oneDNN builds a kernel for
-        each new row count, and a pass's word count changes with every batch."""
+        `weight` (4H, E) from `_pass_weights`; on the native path by oneDNN (`linear`), which
+        builds a kernel for each new word count of a pass (cached, about 1 ms each)."""
         w = self.lstm.weight_ih[:, : emb.size(-1)] if weight is None else weight  # (4H, E)
-        return F.linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh)
+        return linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh,
+                      onednn=weight is not None and self.fast_path == "native")
 
     def _pass_weights(self) -> tuple[Tensor, Tensor]:
         """The LSTM's word weight (4H, E) and [W_z | W_hh]^T (D + H, 4H), the gates' part from
@@ -256,13 +258,16 @@ class AttentionLSTMDecoder(nn.Module):
         return h, c, z_hat, sel
 
     def _output(self, emb: Tensor, h: Tensor, z_hat: Tensor, *,
-                dropout: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                dropout: Callable[[Tensor], Tensor] | None = None, onednn: bool = False
+                ) -> Tensor:
         """Deep output: p(y_t) ∝ exp(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t)) (Eq. 7, as printed;
         with `output_tanh`, capgen.py's L_o(tanh(...))). `dropout`: in place of `self.dropout`
-        (the packed pass's, `PackedSteps.dropout`)."""
+        (the packed pass's, `PackedSteps.dropout`). `onednn`: by oneDNN (`linear`)."""
         drop = self.dropout if dropout is None else dropout
-        x = emb + self.out_h(drop(h)) + self.out_z(z_hat)
-        return self.out(drop(torch.tanh(x) if self.output_tanh else x))
+        x = (emb + linear(drop(h), self.out_h.weight, self.out_h.bias, onednn=onednn)
+             + linear(z_hat, self.out_z.weight, self.out_z.bias, onednn=onednn))
+        x = drop(torch.tanh(x) if self.output_tanh else x)
+        return linear(x, self.out.weight, self.out.bias, onednn=onednn)
 
     def _training_rule(self) -> tuple[SelectRule, bool]:
         """(rule, semi-sample?) for the teacher-forced pass."""
@@ -313,9 +318,10 @@ class AttentionLSTMDecoder(nn.Module):
         word_w, recurrent_w = self._pass_weights()
         word_gates = self._word_gates(emb, word_w).split(pk.running)
         # Gradients of W, W_q and the keys, summed over the steps in one place (pass_grads)
-        recurrent = RecurrentProduct(recurrent_w, onednn=self.fast_path == "native")
+        native = self.fast_path == "native"
+        recurrent = RecurrentProduct(recurrent_w, onednn=native)
         keys, keys_grad = PassGradient.through(memory.keys)
-        query = self.attention.query_product()
+        query = self.attention.query_product(onednn=native)
         mem_t = memory = memory._replace(keys=keys)
         ue = use_expected
         for t, active in enumerate(pk.running):  # captions sorted longest first: b_t shrinks
@@ -332,7 +338,7 @@ class AttentionLSTMDecoder(nn.Module):
         # The deep output on the N real positions only, its dropout masks drawn for (B, T)
         logits = pk.scatter(self._output(  # (B, T, V), zero past each caption's end
             emb, torch.cat(trace.hs), torch.cat(trace.zs),
-            dropout=pk.dropout(self.dropout.p, self.dropout.training)))
+            dropout=pk.dropout(self.dropout.p, self.dropout.training), onednn=native))
         alphas = pk.padded(trace.alphas)  # (B, T, L)
         sampling = rule in ("sample", "gumbel")  # a location per step: log p(s_t | a) and H
         log_ps = pk.padded(trace.log_ps) if sampling else None  # (B, T)

@@ -55,21 +55,23 @@ class PassGradient:
     """Where the steps of one pass sum their parts of one tensor's gradient (module
     docstring). `through` puts one between a tensor and the steps."""
 
-    def __init__(self, like: Tensor) -> None:
+    def __init__(self, like: Tensor, *, onednn: bool = False) -> None:
         self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        self.onednn = onednn  # a weight's X^T G by oneDNN where it takes it (`mm`)
         self._inputs: list[Tensor] = []
         self._grads: list[Tensor] = []
         self._dense: Tensor | None = None
 
     @classmethod
-    def through(cls, t: Tensor, *, defer: bool = True,
-                dtype: torch.dtype | None = None) -> tuple[Tensor, PassGradient | None]:
+    def through(cls, t: Tensor, *, defer: bool = True, dtype: torch.dtype | None = None,
+                onednn: bool = False) -> tuple[Tensor, PassGradient | None]:
         """(the tensor the steps read, its `PassGradient`); (t, None) without autograd, or
         with `defer` False (a compiled pass). `dtype`: the steps read t cast to it once (an
-        autocast pass would cast a non-leaf again at every step); the sum stays in t's."""
+        autocast pass would cast a non-leaf again at every step); the sum stays in t's.
+        `onednn`: a weight's sum by oneDNN where it takes it (`mm`)."""
         if not (defer and t.requires_grad and torch.is_grad_enabled()):
             return t, None
-        sink = cls(t)
+        sink = cls(t, onednn=onednn)
         return _Collect.apply(t, sink, None if dtype == t.dtype else dtype), sink
 
     def add_product(self, x: Tensor, g: Tensor) -> None:
@@ -106,7 +108,7 @@ class PassGradient:
                 x, g = x.float(), g.float()
             # formed as (g^T x)^T: in the layout of the parameters it is cut from, (out, in), so
             # that cutting it copies whole rows (`lstm_pass_weights`)
-            product = (g.t() @ x).t()
+            product = mm(g.t(), x, onednn=self.onednn).t()
             total = product if total is None else total + product
             self._inputs, self._grads = [], []
         return None if total is None else total.to(self.dtype)
@@ -119,9 +121,22 @@ def onednn_usable(weight: Tensor) -> bool:
             and torch.backends.mkldnn.enabled and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def mm(a: Tensor, b: Tensor, *, onednn: bool = True) -> Tensor:
+    """a @ b, for 2-D a and b; by oneDNN where `onednn` and it takes this float32 product
+    (`onednn_usable`). oneDNN reads a transposed operand as it lies (a weight's gradient
+    G^T X with no copy), and on AVX-512 CPUs whose MKL runs the AVX2 path, as on this project's
+    AMD Zen 5, it ran these products about twice as fast as MKL (docs/benchmarks.md, part 23).
+    Equal to MKL's to float32 rounding."""
+    if not (onednn and a.dtype == b.dtype == torch.float32 and onednn_usable(b)):
+        return a @ b
+    if not (a.is_contiguous() or a.t().is_contiguous()):
+        a = a.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+
+
 class _OneDNNLinear(torch.autograd.Function):
-    """F.linear with its forward product by oneDNN (the bias added in the product, not copied
-    into the output first); the backward takes F.linear's products by ATen."""
+    """F.linear with its products by oneDNN (`mm`): forward with the bias added in the product,
+    not copied into the output first; backward the input's and the weight's gradients."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor,  # type: ignore[override]
@@ -137,8 +152,8 @@ class _OneDNNLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g2 = g.reshape(-1, g.size(-1))  # (n, out)
         want_x, want_w, want_b = ctx.needs_input_grad
-        dx = (g2 @ weight).view(x.shape) if want_x else None
-        dw = g2.t() @ x.reshape(-1, x.size(-1)) if want_w else None  # (out, in), as W lies
+        dx = mm(g2, weight).view(x.shape) if want_x else None
+        dw = mm(g2.t(), x.reshape(-1, x.size(-1))) if want_w else None  # (out, in), as W lies
         return dx, dw, (g2.sum(0) if want_b and ctx.has_bias else None)
 
 
@@ -202,7 +217,7 @@ class RecurrentProduct:
     tested to 1e-5). One per pass."""
 
     def __init__(self, weight: Tensor, *, defer: bool = True, onednn: bool = False) -> None:
-        self.weight, self.grad = PassGradient.through(weight, defer=defer,
+        self.weight, self.grad = PassGradient.through(weight, defer=defer, onednn=onednn,
                                                       dtype=autocast_dtype(weight))
         self.onednn = onednn and self.grad is not None and onednn_usable(self.weight)
 
