@@ -44,10 +44,14 @@ VOCAB = 24
 def exact_fp32() -> Iterator[None]:
     """No TF32 in matmuls or convolutions while the test runs: CUDA and CPU then differ by
     rounding only."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    # torch's fp32_precision switches: once they are set, reading the legacy allow_tf32 raises
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    old = matmul.fp32_precision, conv.fp32_precision
+    matmul.fp32_precision = conv.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = old
 
 
 def tiny_net(attention: str = "soft") -> CaptionerConfig:

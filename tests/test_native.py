@@ -19,7 +19,7 @@ from conftest import decoder_and_batch
 from torch import Tensor
 
 import captioning.models.decoder as decoder_module
-from captioning.models import native
+from captioning.models import native, pass_grads
 from captioning.models.attention import AdditiveAttention, AdditiveScore, context
 from captioning.models.decoder import AttentionLSTMDecoder
 from captioning.models.decoding import beam_search, greedy_search, sample_search
@@ -299,14 +299,18 @@ def test_native_score_in_bf16_is_as_close_to_float32_as_the_aten_ops() -> None:
     ((10, 49, 24, 20), 0.5, "by-image", "hard"), ((32, 196, 512, 512), 0.0, "by-image", "soft")],
     ids=["small-dropout", "small-by-image", "small-fine-tuned", "small-hard-by-image",
          "issue17-size-by-image"])
+@pytest.mark.parametrize("faster", [True, False], ids=["onednn-faster", "aten-faster"])
 @pytest.mark.usefixtures("built")
 def test_decoder_with_the_native_kernel_equals_the_aten_path(
         dims: tuple[int, int, int, int], dropout: float, batch: str, attention: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        faster: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """`fast_path: native` gives `off`'s loss to 1e-5 and every gradient, on a fixed batch: of
     distinct images, of five captions an image (the native pass keeps one row of annotations
     and keys per image, which its captions read through `rows`), of a grid that takes a
-    gradient (per caption, as `off`), and with hard attention's sampled locations."""
+    gradient (per caption, as `off`), and with hard attention's sampled locations; with the
+    pass's other products by oneDNN or by ATen, as either is the faster on a machine."""
+    for module in (decoder_module, pass_grads):
+        monkeypatch.setattr(module, "onednn_is_faster", lambda: faster)
     dec, feats, caps, lengths, g = decoder_and_batch(dims, dropout, attention=attention,
                                                      grouped=batch == "by-image")
     B = feats.size(0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from captioning.models import pass_grads
 from captioning.models.pass_grads import (
     PassGradient,
     RecurrentProduct,
@@ -25,6 +26,7 @@ def _unrolled(weight: Tensor, keys: Tensor, bias: Tensor, x0: Tensor, *, defer: 
     still running; the loss also reads W directly, outside the steps."""
     product = RecurrentProduct(weight, defer=defer, onednn=onednn)
     assert product.onednn == (onednn and defer and torch.backends.mkldnn.is_available())
+    assert product.packed is None or product.onednn
     keys, _ = PassGradient.through(keys, defer=defer)  # its sum from plain slicing's grads
     x, total = x0, x0.new_zeros(())
     for t, rows in enumerate(ROWS):
@@ -116,6 +118,7 @@ def test_a_layers_product_over_a_pass_is_the_layers_and_sums_its_gradient(onednn
     product = RecurrentProduct(layer.weight.t(), onednn=onednn)
     assert product.grad is not None
     assert product.onednn == (onednn and torch.backends.mkldnn.is_available())
+    assert (product.packed is not None) == product.onednn  # W_q lies contiguous: packed
     outs = [product(layer.bias, x) for x in xs]
     for out, x in zip(outs, xs):
         torch.testing.assert_close(out, layer(x), rtol=1e-6, atol=1e-6)
@@ -198,12 +201,14 @@ def test_the_lstm_weights_of_a_pass_get_plain_gradients_in_their_own_layout() ->
 @pytest.mark.parametrize("shape", [(7, 12), (3, 5, 12)], ids=["rows", "a-grid"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "frozen-x"])
+@pytest.mark.parametrize("faster", [True, False], ids=["onednn-faster", "aten-faster"])
 def test_linear_by_onednn_equals_f_linear_and_its_gradients(
-        shape: tuple[int, ...], bias: bool, x_grad: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`linear(onednn=True)`: the forward and the gradients' products by oneDNN where it takes
-    a float32 product (spied), equal to F.linear's to float32 rounding; a frozen input gets
-    no gradient, and no product for one."""
+        shape: tuple[int, ...], bias: bool, x_grad: bool, faster: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`linear(onednn=True)`: the forward by oneDNN where it takes a float32 product (spied),
+    and the gradients' products too where it is the faster (`onednn_is_faster`), equal to
+    F.linear's to float32 rounding; a frozen input gets no gradient, and no product for one."""
+    monkeypatch.setattr(pass_grads, "onednn_is_faster", lambda: faster)
     g = torch.Generator().manual_seed(3)
     x0 = torch.randn(*shape, generator=g)
     w0, b0 = torch.randn(9, 12, generator=g), torch.randn(9, generator=g)
@@ -223,7 +228,8 @@ def test_linear_by_onednn_equals_f_linear_and_its_gradients(
         return [y.detach(), x.grad, w.grad, None if b is None else b.grad]
 
     fast, ref = run(True), run(False)
-    assert len(calls) == 2 + x_grad  # the output, W's gradient, and x's where it needs one
+    # the output; W's gradient, and x's where it needs one, where oneDNN is the faster
+    assert len(calls) == 1 + faster * (1 + x_grad)
     for a, b in zip(fast, ref, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
@@ -254,3 +260,15 @@ def test_a_product_by_onednn_equals_atens_for_any_operand_layout(
     assert torch.equal(mm(a.double(), b.double()), a.double() @ b.double())
     assert torch.equal(mm(a, b, onednn=False), a @ b)
     assert len(calls) == len(layouts)  # neither went to oneDNN
+
+
+def test_the_faster_of_onednn_and_aten_is_timed_once_off_the_global_random_stream() -> None:
+    """`onednn_is_faster`: a verdict for the process, timed once, whose inputs come from a
+    generator of its own (the training's random stream goes on as it would have)."""
+    pass_grads.onednn_is_faster.cache_clear()
+    before = torch.random.get_rng_state()
+    verdict = pass_grads.onednn_is_faster()
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert isinstance(verdict, bool)
+    assert pass_grads.onednn_is_faster() is verdict
+    assert pass_grads.onednn_is_faster.cache_info().misses == 1

@@ -58,6 +58,7 @@ from captioning.models.pass_grads import (
     autocast_dtype,
     linear,
     lstm_pass_weights,
+    onednn_is_faster,
 )
 from captioning.models.repeats import per_distinct_row, repeated_rows
 from captioning.models.settings import (
@@ -208,14 +209,12 @@ class AttentionLSTMDecoder(nn.Module):
         return "expected" if self.attention_kind == "soft" else self.hard_decode
 
     # -- internals -------------------------------------------------------------------------
-    def _word_gates(self, emb: Tensor, weight: Tensor | None = None) -> Tensor:
+    def _word_gates(self, emb: Tensor, weight: Tensor | None = None, onednn: bool = False
+                    ) -> Tensor:
         """The LSTM gates' part from the previous word, with both biases: (..., E) -> (..., 4H).
-        Teacher forcing computes it for every step at once, as one large product, by its
-        `weight` (4H, E) from `_pass_weights`; on the native path by oneDNN (`linear`), which
-        builds a kernel for each new word count of a pass (cached, about 1 ms each)."""
+        Teacher forcing's for every step at once, by its `weight` (4H, E) (`_pass_weights`)."""
         w = self.lstm.weight_ih[:, : emb.size(-1)] if weight is None else weight  # (4H, E)
-        return linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh,
-                      onednn=weight is not None and self.fast_path == "native")
+        return linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh, onednn=onednn)
 
     def _pass_weights(self) -> tuple[Tensor, Tensor]:
         """The LSTM's word weight (4H, E) and [W_z | W_hh]^T (D + H, 4H), the gates' part from
@@ -316,12 +315,13 @@ class AttentionLSTMDecoder(nn.Module):
 
         trace = StepTrace()  # below: (b_t, 4H) a step; split, one backward node
         word_w, recurrent_w = self._pass_weights()
-        word_gates = self._word_gates(emb, word_w).split(pk.running)
-        # Gradients of W, W_q and the keys, summed over the steps in one place (pass_grads)
         native = self.fast_path == "native"
+        fast = native and onednn_is_faster()  # the rest by oneDNN where it is the faster
+        word_gates = self._word_gates(emb, word_w, fast).split(pk.running)
+        # Gradients of W, W_q and the keys, summed over the steps in one place (pass_grads)
         recurrent = RecurrentProduct(recurrent_w, onednn=native)
         keys, keys_grad = PassGradient.through(memory.keys)
-        query = self.attention.query_product(onednn=native)
+        query = self.attention.query_product(onednn=fast)
         mem_t = memory = memory._replace(keys=keys)
         ue = use_expected
         for t, active in enumerate(pk.running):  # captions sorted longest first: b_t shrinks
@@ -338,7 +338,7 @@ class AttentionLSTMDecoder(nn.Module):
         # The deep output on the N real positions only, its dropout masks drawn for (B, T)
         logits = pk.scatter(self._output(  # (B, T, V), zero past each caption's end
             emb, torch.cat(trace.hs), torch.cat(trace.zs),
-            dropout=pk.dropout(self.dropout.p, self.dropout.training), onednn=native))
+            dropout=pk.dropout(self.dropout.p, self.dropout.training), onednn=fast))
         alphas = pk.padded(trace.alphas)  # (B, T, L)
         sampling = rule in ("sample", "gumbel")  # a location per step: log p(s_t | a) and H
         log_ps = pk.padded(trace.log_ps) if sampling else None  # (B, T)

@@ -17,11 +17,17 @@ pass is differentiable once (no double backward), as the CPU score kernel always
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 
 def autocast_dtype(t: Tensor) -> torch.dtype | None:
@@ -123,10 +129,8 @@ def onednn_usable(weight: Tensor) -> bool:
 
 def mm(a: Tensor, b: Tensor, *, onednn: bool = True) -> Tensor:
     """a @ b, for 2-D a and b; by oneDNN where `onednn` and it takes this float32 product
-    (`onednn_usable`). oneDNN reads a transposed operand as it lies (a weight's gradient
-    G^T X with no copy), and on AVX-512 CPUs whose MKL runs the AVX2 path, as on this project's
-    AMD Zen 5, it ran these products about twice as fast as MKL (docs/benchmarks.md, part 23).
-    Equal to MKL's to float32 rounding."""
+    (`onednn_usable`), either operand as it lies (a transposed one is copied inside). Equal to
+    ATen's to float32 rounding."""
     if not (onednn and a.dtype == b.dtype == torch.float32 and onednn_usable(b)):
         return a @ b
     if not (a.is_contiguous() or a.t().is_contiguous()):
@@ -134,9 +138,49 @@ def mm(a: Tensor, b: Tensor, *, onednn: bool = True) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
 
 
+def pack(weight: Tensor) -> Tensor | None:
+    """A linear weight (N, K) in oneDNN's own layout, for the products of a pass's steps, or
+    None where it does not lie contiguous. In the training step, the LSTM's per-word products
+    by the packed weight took 3.6 ms a step against 5.9 by the plain one (32 × 1024 × 2048),
+    for a packing of about 0.5 ms; packing a transposed weight cost eight times as much
+    (docs/benchmarks.md, part 23)."""
+    if not weight.is_contiguous():
+        return None
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+
+
+def _best_of_three(fn: Callable[[], Any]) -> float:
+    fn()  # oneDNN builds its kernel
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@functools.cache
+def onednn_is_faster() -> bool:
+    """Whether oneDNN runs this machine's float32 products faster than ATen's BLAS (MKL),
+    timed once a process at a weight gradient's shape, G^T X with G (1024, 1024) and X
+    (1024, 512), best of three (about 40 ms). The answer depends on the CPU: on an AMD Zen 5,
+    whose MKL took the AVX2 path, oneDNN ran such products about twice as fast, where on a
+    Zen 4 MKL ran weight gradients 12% faster (docs/benchmarks.md, parts 9 and 23)."""
+    gen = torch.Generator().manual_seed(0)  # not the global stream
+    g, x = torch.rand(1024, 1024, generator=gen), torch.rand(1024, 512, generator=gen)
+    if not onednn_usable(g):
+        return False
+    ours, blas = _best_of_three(lambda: mm(g.t(), x)), _best_of_three(lambda: g.t() @ x)
+    log.info("float32 products of a pass by %s: oneDNN %.2f ms, ATen %.2f ms",
+             "oneDNN" if ours < blas else "ATen", ours * 1e3, blas * 1e3)
+    return ours < blas
+
+
 class _OneDNNLinear(torch.autograd.Function):
-    """F.linear with its products by oneDNN (`mm`): forward with the bias added in the product,
-    not copied into the output first; backward the input's and the weight's gradients."""
+    """F.linear with its forward product by oneDNN (the bias added in the product, not copied
+    into the output first); the backward's products by oneDNN where it is the faster here
+    (`onednn_is_faster`), else by ATen."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor,  # type: ignore[override]
@@ -152,8 +196,10 @@ class _OneDNNLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g2 = g.reshape(-1, g.size(-1))  # (n, out)
         want_x, want_w, want_b = ctx.needs_input_grad
-        dx = mm(g2, weight).view(x.shape) if want_x else None
-        dw = mm(g2.t(), x.reshape(-1, x.size(-1))) if want_w else None  # (out, in), as W lies
+        fast = onednn_is_faster()
+        dx = mm(g2, weight, onednn=fast).view(x.shape) if want_x else None
+        dw = (mm(g2.t(), x.reshape(-1, x.size(-1)), onednn=fast)  # (out, in), as W lies
+              if want_w else None)
         return dx, dw, (g2.sum(0) if want_b and ctx.has_bias else None)
 
 
@@ -177,16 +223,17 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, bias: Tensor | None, x: Tensor,  # type: ignore[override]
-                weight: Tensor, sink: PassGradient, onednn: bool) -> Tensor:
+                weight: Tensor, sink: PassGradient, onednn: bool,
+                packed: Tensor | None = None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.sink, ctx.onednn = sink, onednn
         ctx.dtypes = (None if bias is None else bias.dtype, x.dtype)
-        if onednn:  # x W (+ bias), W^T (N, K) as the (out, in) weight
+        if onednn:  # x W (+ bias), W^T (N, K) as the (out, in) weight, or its `packed` form
+            w = weight.t() if packed is None else packed
             if bias is None:
-                return torch.ops.mkldnn._linear_pointwise(
-                    x.contiguous(), weight.t(), None, "none", [], "")
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, None, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(  # bias (b, N) or (N,), as addmm's
-                x.contiguous(), bias.expand(x.size(0), -1).contiguous(), weight.t(), None, "add")
+                x.contiguous(), bias.expand(x.size(0), -1).contiguous(), w, None, "add")
         if bias is None:
             return torch.mm(x, weight)
         return torch.addmm(bias, x, weight)  # under autocast, in its dtype
@@ -194,7 +241,7 @@ class _Step(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g: Tensor  # type: ignore[override]
-                 ) -> tuple[Tensor | None, Tensor, None, None, None]:
+                 ) -> tuple[Tensor | None, Tensor, None, None, None, None]:
         x, weight = ctx.saved_tensors
         ctx.sink.add_product(x, g)
         bias_dtype, x_dtype = ctx.dtypes
@@ -202,7 +249,8 @@ class _Step(torch.autograd.Function):
             dx = torch.ops.mkldnn._linear_pointwise(g.contiguous(), weight, None, "none", [], "")
         else:
             dx = g @ weight.t().to(g.dtype)
-        return (None if bias_dtype is None else g.to(bias_dtype)), dx.to(x_dtype), None, None, None
+        return ((None if bias_dtype is None else g.to(bias_dtype)), dx.to(x_dtype),
+                None, None, None, None)
 
 
 class RecurrentProduct:
@@ -214,18 +262,24 @@ class RecurrentProduct:
     take them. ATen runs float32 products by MKL's sgemm, which at a step's few rows was much
     slower than oneDNN on this project's AMD CPU (32 × 1024 × 2048: 1.14 against 0.75 ms, W as
     it lies; docs/benchmarks.md). Within 1e-6 relative of MKL's results (the decoder's loss is
-    tested to 1e-5). One per pass."""
+    tested to 1e-5). One per pass. W's gradient, summed over the pass, goes to oneDNN too where
+    it is the faster here (`onednn_is_faster`). Where W^T lies contiguous (the LSTM's and the
+    query's), the steps' forward products read it packed once a pass into oneDNN's own layout
+    (`pack`)."""
 
     def __init__(self, weight: Tensor, *, defer: bool = True, onednn: bool = False) -> None:
-        self.weight, self.grad = PassGradient.through(weight, defer=defer, onednn=onednn,
-                                                      dtype=autocast_dtype(weight))
-        self.onednn = onednn and self.grad is not None and onednn_usable(self.weight)
+        onednn = onednn and onednn_usable(weight)
+        self.weight, self.grad = PassGradient.through(
+            weight, defer=defer, onednn=onednn and onednn_is_faster(),
+            dtype=autocast_dtype(weight))
+        self.onednn = onednn and self.grad is not None
+        self.packed = pack(self.weight.t()) if self.onednn else None
 
     def __call__(self, bias: Tensor | None, x: Tensor) -> Tensor:
         """bias (b, N) + x (b, K) @ W (K, N); x W where `bias` is None."""
         if self.grad is None:
             return torch.mm(x, self.weight) if bias is None else torch.addmm(bias, x, self.weight)
-        return _Step.apply(bias, x, self.weight, self.grad, self.onednn)
+        return _Step.apply(bias, x, self.weight, self.grad, self.onednn, self.packed)
 
 
 class _LSTMPassWeights(torch.autograd.Function):
