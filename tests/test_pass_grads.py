@@ -272,3 +272,15 @@ def test_the_faster_of_onednn_and_aten_is_timed_once_off_the_global_random_strea
     assert isinstance(verdict, bool)
     assert pass_grads.onednn_is_faster() is verdict
     assert pass_grads.onednn_is_faster.cache_info().misses == 1
+
+
+def test_a_layer_by_onednn_equals_the_layer_whose_hooks_run_only_on_atens_path() -> None:
+    layer = torch.nn.Linear(12, 9)
+    seen: list[int] = []
+    layer.register_forward_hook(lambda m, inp, out: seen.append(out.size(0)))
+    x = torch.randn(7, 12, generator=torch.Generator().manual_seed(2))
+    plain = pass_grads.linear_layer(layer, x)
+    assert seen == [7]  # the layer was called
+    fast = pass_grads.linear_layer(layer, x, onednn=True)
+    torch.testing.assert_close(fast, plain, rtol=1e-6, atol=1e-6)
+    assert seen == [7]  # the oneDNN product reads the weights, as documented

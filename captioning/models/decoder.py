@@ -57,6 +57,7 @@ from captioning.models.pass_grads import (
     RecurrentProduct,
     autocast_dtype,
     linear,
+    linear_layer,
     lstm_pass_weights,
     onednn_is_faster,
 )
@@ -209,11 +210,10 @@ class AttentionLSTMDecoder(nn.Module):
         return "expected" if self.attention_kind == "soft" else self.hard_decode
 
     # -- internals -------------------------------------------------------------------------
-    def _word_gates(self, emb: Tensor, weight: Tensor | None = None, onednn: bool = False
-                    ) -> Tensor:
+    def _word_gates(self, emb: Tensor, w: Tensor | None = None, onednn: bool = False) -> Tensor:
         """The LSTM gates' part from the previous word, with both biases: (..., E) -> (..., 4H).
-        Teacher forcing's for every step at once, by its `weight` (4H, E) (`_pass_weights`)."""
-        w = self.lstm.weight_ih[:, : emb.size(-1)] if weight is None else weight  # (4H, E)
+        Teacher forcing's for every step at once, by its `w` (4H, E) (`_pass_weights`)."""
+        w = self.lstm.weight_ih[:, : emb.size(-1)] if w is None else w  # (4H, E)
         return linear(emb, w, self.lstm.bias_ih + self.lstm.bias_hh, onednn=onednn)
 
     def _pass_weights(self) -> tuple[Tensor, Tensor]:
@@ -261,12 +261,12 @@ class AttentionLSTMDecoder(nn.Module):
                 ) -> Tensor:
         """Deep output: p(y_t) ∝ exp(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t)) (Eq. 7, as printed;
         with `output_tanh`, capgen.py's L_o(tanh(...))). `dropout`: in place of `self.dropout`
-        (the packed pass's, `PackedSteps.dropout`). `onednn`: by oneDNN (`linear`)."""
+        (the packed pass's, `PackedSteps.dropout`). `onednn`: by oneDNN (`linear_layer`)."""
         drop = self.dropout if dropout is None else dropout
-        x = (emb + linear(drop(h), self.out_h.weight, self.out_h.bias, onednn=onednn)
-             + linear(z_hat, self.out_z.weight, self.out_z.bias, onednn=onednn))
+        x = (emb + linear_layer(self.out_h, drop(h), onednn=onednn)
+             + linear_layer(self.out_z, z_hat, onednn=onednn))
         x = drop(torch.tanh(x) if self.output_tanh else x)
-        return linear(x, self.out.weight, self.out.bias, onednn=onednn)
+        return linear_layer(self.out, x, onednn=onednn)
 
     def _training_rule(self) -> tuple[SelectRule, bool]:
         """(rule, semi-sample?) for the teacher-forced pass."""

@@ -216,6 +216,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     return F.linear(x, weight, bias)
 
 
+def linear_layer(layer: torch.nn.Linear, x: Tensor, *, onednn: bool = False) -> Tensor:
+    """layer(x); `onednn`: by `linear(onednn=True)`, which does not run the layer's hooks."""
+    return linear(x, layer.weight, layer.bias, onednn=True) if onednn else layer(x)
+
+
 class _Step(torch.autograd.Function):
     """addmm(bias, x, W), or x W without a bias, whose backward gives the gradients of bias
     and x, and hands x and the output's gradient to W's `PassGradient`. `onednn`: x W and
