@@ -198,6 +198,18 @@ def test_the_lstm_weights_of_a_pass_get_plain_gradients_in_their_own_layout() ->
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
+def spy_onednn(weight: Tensor, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The calls of oneDNN's product from now on, one entry each (the test skips where oneDNN
+    cannot take `weight`'s float32 products)."""
+    if not onednn_usable(weight):
+        pytest.skip("oneDNN cannot take float32 products here")
+    calls: list[int] = []
+    op = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: (calls.append(1), op(*a))[1])
+    return calls
+
+
 @pytest.mark.parametrize("shape", [(7, 12), (3, 5, 12)], ids=["rows", "a-grid"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "frozen-x"])
@@ -213,12 +225,7 @@ def test_linear_by_onednn_equals_f_linear_and_its_gradients(
     x0 = torch.randn(*shape, generator=g)
     w0, b0 = torch.randn(9, 12, generator=g), torch.randn(9, generator=g)
     up = torch.randn(*shape[:-1], 9, generator=g)
-    if not onednn_usable(w0):
-        pytest.skip("oneDNN cannot take float32 products here")
-    calls = []
-    op = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
-                        lambda *a: (calls.append(1), op(*a))[1])
+    calls = spy_onednn(w0, monkeypatch)
 
     def run(onednn: bool) -> list[Tensor | None]:
         x, w = x0.clone().requires_grad_(x_grad), w0.clone().requires_grad_()
@@ -246,12 +253,7 @@ def test_a_product_by_onednn_equals_atens_for_any_operand_layout(
     ATen."""
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(40, 24, generator=g), torch.randn(24, 16, generator=g)
-    if not onednn_usable(b):
-        pytest.skip("oneDNN cannot take float32 products here")
-    calls = []
-    op = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
-                        lambda *x: (calls.append(1), op(*x))[1])
+    calls = spy_onednn(b, monkeypatch)
     layouts = [(a, b), (a.t().contiguous().t(), b), (a, b.t().contiguous().t()),
                (torch.randn(40, 48, generator=g)[:, ::2], b)]  # the last: neither way contiguous
     for x, y in layouts:
