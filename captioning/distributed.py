@@ -49,24 +49,14 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return parts
 
 
-def host_group() -> Any:
-    """A process group for one-number votes on the host: the default group where it is gloo,
-    else a gloo group of every rank (every rank must call this together). A vote there never
-    waits for the GPU's queue, as an NCCL collective's `.item()` would."""
-    if torch.distributed.get_backend() == "gloo":
-        return None  # the default group
-    return torch.distributed.new_group(backend="gloo")
-
-
-def host_max(value: int, group: Any) -> int:
-    """The largest of every rank's `value`, by a CPU all-reduce over `group` (`host_group`)."""
-    t = torch.tensor([value], dtype=torch.int64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-    return int(t.item())
-
-
 class RankZeroFailed(RuntimeError):
-    """Rank zero's error line, on a rank that waited for it (`rank_zero_result`)."""
+    """Rank zero's error line, on a rank that waited for it (`rank_zero_result`). `interrupt`:
+    what stopped rank zero where an interruption did (its exception's `interrupt`, as SIGTERM's
+    `Terminated` has, or "KeyboardInterrupt"), else None."""
+
+    def __init__(self, message: str, interrupt: str | None = None) -> None:
+        super().__init__(message)
+        self.interrupt = interrupt
 
 
 def rank_zero_result(strategy: Any, fn: Callable[[], T], *, what: str) -> T:
@@ -75,17 +65,25 @@ def rank_zero_result(strategy: Any, fn: Callable[[], T], *, what: str) -> T:
     the others are told, and they raise `RankZeroFailed` with its line, where a bare wait would
     hold them until the collective's timeout. `what` names the work in that line."""
     failure: BaseException | None = None
-    sent: tuple[Any, str | None] = (None, None)  # (the result, rank zero's error line)
+    sent: tuple[Any, str | None, str | None] = (None, None, None)  # result, error, interrupt
     if strategy.is_global_zero:
         try:
-            sent = (fn(), None)
+            sent = (fn(), None, None)
         except BaseException as e:  # raised again below, once the other ranks are told
-            failure, sent = e, (None, f"{type(e).__name__}: {e}")
-    result, outcome = strategy.broadcast(sent, src=0)
+            interrupt = "KeyboardInterrupt" if isinstance(e, KeyboardInterrupt) else None
+            failure, sent = e, (None, f"{type(e).__name__}: {e}",
+                                getattr(e, "interrupt", None) or interrupt)
+    try:
+        result, outcome, interrupt = strategy.broadcast(sent, src=0)
+    except BaseException:
+        if failure is not None:  # rank zero's own error first
+            raise failure from None
+        raise
     if failure is not None:
         raise failure
     if outcome is not None:
-        raise RankZeroFailed(f"rank zero could not {what}, so this rank stops: {outcome}")
+        raise RankZeroFailed(f"rank zero could not {what}, so this rank stops: {outcome}",
+                             interrupt)
     return result
 
 

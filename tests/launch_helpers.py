@@ -47,12 +47,19 @@ class RecordRankPairs(L.Callback):
 
 class SignalOneRank(L.Callback):
     """Sends `signal_name` to this process on rank `rank` only, as training step `step`
-    starts: a signal that reached one rank of a DDP run."""
+    starts (None: as the sanity check's first batch starts): a signal that reached one rank
+    of a DDP run."""
 
-    def __init__(self, rank: int, step: int, signal_name: str) -> None:
+    def __init__(self, rank: int, step: int | None, signal_name: str) -> None:
         self.rank, self.step, self.signal_name = rank, step, signal_name
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                  batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if (trainer.sanity_checking and self.step is None and batch_idx == 0
+                and trainer.global_rank == self.rank):
             os.kill(os.getpid(), getattr(signal, self.signal_name))

@@ -153,6 +153,7 @@ def test_rank_zeros_result_or_its_interruption_reaches_every_rank() -> None:
     """Only rank zero scores; the others get its scores, or stop at once with its line when it
     was stopped (SIGTERM during scoring), where they would wait for the broadcast till the
     collective's timeout."""
+    from captioning.commands.errors import exit_status
     from captioning.distributed import RankZeroFailed, rank_zero_result
     from captioning.locks import Terminated
 
@@ -172,5 +173,15 @@ def test_rank_zeros_result_or_its_interruption_reaches_every_rank() -> None:
         rank_zero_result(zero, stopped, what="score the captions")
     other = Rank(zero=False, told=zero.sent[0])
     with pytest.raises(RankZeroFailed, match="rank zero could not score the captions, so this "
-                                             "rank stops: Terminated: interrupted by SIGTERM"):
+                                             "rank stops: Terminated: interrupted by SIGTERM"
+                       ) as caught:
         rank_zero_result(other, stopped, what="score the captions")
+    # the same interruption on this rank: it saves the checkpoint and exits as rank zero does
+    assert caught.value.interrupt == "SIGTERM"
+    assert exit_status(caught.value) == 143
+    zero = Rank(zero=True)
+    with pytest.raises(ValueError):
+        rank_zero_result(zero, lambda: int("x"), what="score")
+    with pytest.raises(RankZeroFailed) as caught:
+        rank_zero_result(Rank(zero=False, told=zero.sent[0]), dict, what="score")
+    assert caught.value.interrupt is None and exit_status(caught.value) == 1  # an error line

@@ -403,6 +403,28 @@ def test_sigterm_during_validation_resumes_into_that_validation(
     assert scores[0] == pytest.approx(scores[1], rel=1e-6)
 
 
+def test_sigterm_while_the_validation_is_scored_saves_a_checkpoint_into_it(
+        shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while the validation's captions are scored (`Terminated`, from the scorer's
+    `sigterm_raises`) stops the fit like a SIGTERM anywhere in the validation: exit 143 and a
+    last.ckpt that resumes into that validation. Before, nothing was saved."""
+    import captioning.lit_module as lit_module
+    from captioning.locks import Terminated
+
+    def scoring(*args: Any, **kwargs: Any) -> dict[str, float]:
+        raise Terminated("interrupted by SIGTERM")
+
+    monkeypatch.setattr(lit_module, "compute_metrics", scoring)
+    ckpt = tmp_path / "ckpt"
+    cfg = config(tmp_path, shapes_dm_kwargs, cache_dir, ckpt, name="stop.yaml")
+    assert main(["fit", "--config", str(cfg), "--model.compute_metrics", "true"]) == 143
+    assert step_of(ckpt / "last.ckpt") == BATCHES
+    val = torch.load(ckpt / "last.ckpt", map_location="cpu", weights_only=True)["loops"][
+        "fit_loop"]["epoch_loop.val_loop.batch_progress"]
+    assert val["current"]["completed"] == 0  # resumed into the validation, from its start
+
+
 def test_an_interruption_at_the_validations_end_counts_it_once(
         shapes_dm_kwargs: dict, cache_dir: Path, tmp_path: Path) -> None:
     # Row: a second Ctrl-C after EarlyStopping's on_validation_end ran saved its patience with

@@ -507,9 +507,10 @@ class OneRank:
         self.is_global_zero, self.told, self.root_device = zero, told, torch.device("cpu")
         self.sent: list[str | None] = []  # rank zero's error lines (None: it went well)
 
-    def broadcast(self, obj: tuple[None, str | None], src: int = 0) -> tuple[None, str | None]:
+    def broadcast(self, obj: tuple[None, str | None, None], src: int = 0
+                  ) -> tuple[None, str | None, None]:
         self.sent.append(obj[1])
-        return obj if self.is_global_zero else (None, self.told)
+        return obj if self.is_global_zero else (None, self.told, None)
 
 
 class Opens:

@@ -269,11 +269,26 @@ def test_the_faster_of_onednn_and_aten_is_timed_once_off_the_global_random_strea
     generator of its own (the training's random stream goes on as it would have)."""
     pass_grads.onednn_is_faster.cache_clear()
     before = torch.random.get_rng_state()
-    verdict = pass_grads.onednn_is_faster()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a first call under autocast: the
+        verdict = pass_grads.onednn_is_faster()  # float32 products are timed all the same
     assert torch.equal(torch.random.get_rng_state(), before)
     assert isinstance(verdict, bool)
     assert pass_grads.onednn_is_faster() is verdict
     assert pass_grads.onednn_is_faster.cache_info().misses == 1
+    if onednn_usable(torch.ones(1)):  # its product was timed: oneDNN's, where it can take it
+        calls: list[int] = []
+        monkey = pytest.MonkeyPatch()
+        op = torch.ops.mkldnn._linear_pointwise
+        monkey.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                       lambda *a: (calls.append(1), op(*a))[1])
+        try:
+            pass_grads.onednn_is_faster.cache_clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                pass_grads.onednn_is_faster()
+        finally:
+            monkey.undo()
+            pass_grads.onednn_is_faster.cache_clear()
+        assert calls
 
 
 def test_a_layer_by_onednn_equals_the_layer_whose_hooks_run_only_on_atens_path() -> None:
@@ -285,4 +300,7 @@ def test_a_layer_by_onednn_equals_the_layer_whose_hooks_run_only_on_atens_path()
     assert seen == [7]  # the layer was called
     fast = pass_grads.linear_layer(layer, x, onednn=True)
     torch.testing.assert_close(fast, plain, rtol=1e-6, atol=1e-6)
-    assert seen == [7]  # the oneDNN product reads the weights, as documented
+    assert seen == [7] or not onednn_usable(layer.weight)  # oneDNN reads the weights itself
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # not oneDNN's: the layer, its hooks
+        assert pass_grads.linear_layer(layer, x, onednn=True).dtype == torch.bfloat16
+    assert seen[-1] == 7 and len(seen) == (2 if onednn_usable(layer.weight) else 3)

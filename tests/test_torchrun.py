@@ -81,24 +81,30 @@ def test_torchrun_two_processes_train_one_epoch(shapes_dm_kwargs: dict[str, Any]
     assert len(ckpt[CHECKPOINT_RNG_KEY]["ranks"]) == 2  # each rank's own random streams
 
 
-@pytest.mark.parametrize(("signal_name", "said"), [("SIGTERM", "SIGTERM"), ("SIGINT", "Ctrl-C")])
+@pytest.mark.parametrize(("signal_name", "said", "step"), [
+    ("SIGTERM", "SIGTERM", 2), ("SIGINT", "Ctrl-C", 2), ("SIGTERM", "SIGTERM", None)],
+    ids=["sigterm", "ctrl-c", "sigterm-in-the-sanity-check"])
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_batch(
-        shapes_dm_kwargs: dict[str, Any], tmp_path: Path, signal_name: str, said: str) -> None:
+        shapes_dm_kwargs: dict[str, Any], tmp_path: Path, signal_name: str, said: str,
+        step: int | None) -> None:
     """Rank 1 alone is signalled as step 2 starts: both ranks finish that batch, stop, and
-    save one last.ckpt at step 3 together, none left waiting in a collective."""
+    save one last.ckpt at step 3 together, none left waiting in a collective. Signalled in
+    the sanity check: both stop after the first step."""
     ckpt_dir, pairs_dir = tmp_path / "ckpt", tmp_path / "pairs"
     callbacks = [{"class_path": "launch_helpers.RecordRankPairs",
                   "init_args": {"folder": str(pairs_dir)}},
                  {"class_path": "launch_helpers.SignalOneRank",
-                  "init_args": {"rank": 1, "step": 2, "signal_name": signal_name}}]
+                  "init_args": {"rank": 1, "step": step, "signal_name": signal_name}}]
     cfg = cli_config(tmp_path / "fit.yaml", shapes_dm_kwargs, tmp_path / "features", ckpt_dir,
-                     callbacks=callbacks, limit_train_batches=1.0, max_epochs=20)
+                     callbacks=callbacks, limit_train_batches=1.0, max_epochs=20,
+                     num_sanity_val_steps=1)
     proc = _torchrun_fit(cfg, tmp_path)
     assert proc.returncode != 0, proc.stderr[-3000:]  # an interrupted run says so
     steps = {r: len((pairs_dir / f"rank{r}.jsonl").read_text().splitlines()) for r in (0, 1)}
-    assert steps == {0: 3, 1: 3}, proc.stderr[-3000:]  # steps 0, 1 and 2, on each rank
+    stop = 1 if step is None else step + 1
+    assert steps == {0: stop, 1: stop}, proc.stderr[-3000:]  # the same steps on each rank
     ckpt = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)
-    assert ckpt["global_step"] == 3
+    assert ckpt["global_step"] == stop
     assert len(ckpt[CHECKPOINT_RNG_KEY]["ranks"]) == 2  # saved by both ranks together
     lines = [line for line in proc.stderr.splitlines() if f"interrupted by {said};" in line]
     assert len(lines) == 2 and all("last.ckpt" in line for line in lines), proc.stderr[-3000:]

@@ -14,7 +14,8 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 
-from captioning.distributed import host_group, host_max, is_distributed
+from captioning.distributed import RankZeroFailed, all_reduce, is_distributed
+from captioning.locks import Terminated
 from captioning.run_folder import RUN_CHECKPOINTS
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,15 @@ class CheckpointOnInterrupt(L.Callback):
     epoch (`captioning.data.samplers.ResumableDataLoader`) and `CaptioningModule` stores the
     RNG states.
 
-    Under DDP the ranks stop together: a signal only casts this rank's vote, and every rank
-    reads the votes at the end of each training (and fit-validation) batch, by a CPU
-    all-reduce, so that all of them stop after the same batch and save one checkpoint
-    together, whichever rank the signal reached and whenever it came. (Lightning's own
-    SIGTERM handler sets each rank's flag when its signal comes, which a rank then acts on
-    alone at its batch end, leaving the others in a collective it never joins.)
+    Under DDP the ranks stop together: from the sanity check on, a signal only casts this
+    rank's vote, and every rank reads the votes at the end of each training batch, of each
+    validation batch of the fit and of each training epoch (a one-number all-reduce), so that
+    all of them stop at the same point and save one checkpoint together, whichever rank the
+    signal reached. (Lightning's own SIGTERM handler sets each rank's flag when its signal
+    comes, which a rank then acts on alone, leaving the others in a collective it never
+    joins.) Where rank zero is stopped while it scores the validation (SIGTERM's `Terminated`),
+    the others stop with its `RankZeroFailed`, which carries the same `interrupt`: every rank
+    then saves the checkpoint, as for any interruption of the validation.
     """
 
     def __init__(self, graceful_sigint: bool = True) -> None:
@@ -68,36 +72,26 @@ class CheckpointOnInterrupt(L.Callback):
         self._cause: str | None = None  # the signal the stop was asked for by
         self._voting = False  # DDP: a signal is a vote that every rank reads at each batch end
         self._vote = 0  # this rank's: an index into VOTES
-        self._group: Any = None  # the host process group of the vote
         self._epoch_start = False  # saving an interruption that came before the epoch's batches
         self._validating = False  # saving an interruption of the epoch's validation
         # the other callbacks' states as the fit's latest validation started, and its step
         self._before_validation: tuple[tuple[int, int], dict[str, Any]] | None = None
 
     # -- lightning hooks -------------------------------------------------------------------
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "fit":
+            self._install(trainer)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Lightning installs its SIGTERM handler just before this hook (and restores every
-        # handler at teardown); installing ours here keeps that restore correct.
-        self._training, self._stop_requested, self._trainer = True, False, trainer
-        self._cause, self._vote = None, 0
-        main = threading.current_thread() is threading.main_thread()
-        if self.graceful_sigint and main:
-            self._previous_handler = signal.getsignal(signal.SIGINT)
-            signal.signal(signal.SIGINT, self._on_sigint)
-        self._voting = trainer.world_size > 1 and is_distributed()
-        if not self._voting:
-            return
-        self._group = host_group()
-        connector = getattr(trainer, "_signal_connector", None)
-        if getattr(connector, "received_sigterm", False):  # came before training: a vote too
-            connector.received_sigterm, self._vote = False, VOTES.index("SIGTERM")
-        if main:
-            self._previous_sigterm = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._training = True
+        self._install(trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         self._count_votes(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._count_votes(trainer)  # a signal after the epoch's last batch: the fit loop stops
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                 outputs: Any, batch: Any, batch_idx: int,
@@ -130,13 +124,20 @@ class CheckpointOnInterrupt(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
-        self._restore_handlers()
+        try:  # ours stay while the checkpoint is saved: a second signal is one more vote
+            self._on_exception(trainer, exception)
+        finally:
+            self._restore_handlers()
+
+    def _on_exception(self, trainer: L.Trainer, exception: BaseException) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         if isinstance(exception, KeyboardInterrupt):
             cause = "KeyboardInterrupt"
         elif isinstance(exception, SIGTERMException):
             cause = self._cause or "SIGTERM"
+        elif isinstance(exception, (Terminated, RankZeroFailed)) and exception.interrupt:
+            cause = exception.interrupt  # SIGTERM while scoring: rank zero's, on every rank
         else:
             return
         with contextlib.suppress(AttributeError):
@@ -208,12 +209,36 @@ class CheckpointOnInterrupt(L.Callback):
         self._vote = max(self._vote, VOTES.index("SIGTERM"))
         log.warning("SIGTERM: stopping with the other ranks after the current batch")
 
+    def _install(self, trainer: L.Trainer) -> None:
+        """Our handlers, once a fit, after Lightning's (it installs its own just before the
+        sanity check, and restores every handler at teardown, which keeps that restore right).
+        """
+        if self._trainer is trainer:
+            return  # installed as the sanity check started
+        self._trainer, self._stop_requested, self._cause, self._vote = trainer, False, None, 0
+        main = threading.current_thread() is threading.main_thread()
+        if self.graceful_sigint and main:
+            self._previous_handler = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._on_sigint)
+        self._voting = trainer.world_size > 1 and is_distributed()
+        if not self._voting:
+            return
+        connector = getattr(trainer, "_signal_connector", None)
+        if getattr(connector, "received_sigterm", False):  # came before: a vote too
+            connector.received_sigterm, self._vote = False, VOTES.index("SIGTERM")
+        if main:
+            self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
     def _count_votes(self, trainer: L.Trainer) -> None:
         """DDP: every rank's vote; where any asks to stop, every rank sets Lightning's flag
-        now, at the same batch, and its loops raise `SIGTERMException` at this batch's end."""
+        now, at the same point, and its loops raise `SIGTERMException` there. The all-reduce
+        waits for the device's queue, as Lightning's broadcast of rank zero's flag at each
+        batch's start already does under DDP."""
         if not self._voting or self._cause is not None:
             return
-        vote = host_max(self._vote, self._group)
+        ours = torch.tensor([self._vote], device=trainer.strategy.root_device)
+        vote = int(all_reduce(ours, "max").item())
         if vote:
             self._cause = VOTES[vote]
             trainer._signal_connector.received_sigterm = True
@@ -225,9 +250,7 @@ class CheckpointOnInterrupt(L.Callback):
                 if previous is not None:
                     signal.signal(signum, previous)
         self._previous_handler = self._previous_sigterm = None
-        if self._group is not None:
-            torch.distributed.destroy_process_group(self._group)
-        self._group, self._voting = None, False
+        self._voting = False
 
 
 def _validation_key(trainer: Any) -> tuple[int, int]:

@@ -120,6 +120,10 @@ def exit_status(exc: BaseException) -> int | None:
         return None
     if isinstance(exc, (KeyboardInterrupt, Terminated)):  # Terminated: SIGTERM, see locks
         return interrupted(exc)
+    from captioning.distributed import RankZeroFailed
+
+    if isinstance(exc, RankZeroFailed) and exc.interrupt:  # rank zero was interrupted
+        return interrupted(exc)
     if isinstance(exc, user_error_types()) or disk_error(exc):
         log.debug("user error", exc_info=exc)
         error(str(exc).strip() or type(exc).__name__)

@@ -164,17 +164,20 @@ def _best_of_three(fn: Callable[[], Any]) -> float:
 def onednn_is_faster() -> bool:
     """Whether oneDNN runs this machine's float32 products faster than ATen's BLAS (MKL),
     timed once a process at a weight gradient's shape, G^T X with G (1024, 1024) and X
-    (1024, 512), best of three (about 40 ms). The answer depends on the CPU: on an AMD Zen 5,
-    whose MKL took the AVX2 path, oneDNN ran such products about twice as fast, where on a
-    Zen 4 MKL ran weight gradients 12% faster (docs/benchmarks.md, parts 9 and 23)."""
+    (1024, 512), best of three (about 40 ms); oneDNN only where it is 1.25× as fast, so that
+    the choice does not flip from run to run near a tie. The answer depends on the CPU: on an
+    AMD Zen 5, whose MKL took the AVX2 path, oneDNN ran such products about twice as fast,
+    where on a Zen 4 MKL ran weight gradients 12% faster (docs/benchmarks.md, parts 9 and 23)."""
     gen = torch.Generator().manual_seed(0)  # not the global stream
     g, x = torch.rand(1024, 1024, generator=gen), torch.rand(1024, 512, generator=gen)
-    if not onednn_usable(g):
-        return False
-    ours, blas = _best_of_three(lambda: mm(g.t(), x)), _best_of_three(lambda: g.t() @ x)
+    with torch.autocast("cpu", enabled=False):  # the verdict holds for the process
+        if not onednn_usable(g):
+            return False
+        ours, blas = _best_of_three(lambda: mm(g.t(), x)), _best_of_three(lambda: g.t() @ x)
+    faster = ours < blas / 1.25  # by a clear margin only: near a tie, the choice could flip
     log.info("float32 products of a pass by %s: oneDNN %.2f ms, ATen %.2f ms",
-             "oneDNN" if ours < blas else "ATen", ours * 1e3, blas * 1e3)
-    return ours < blas
+             "oneDNN" if faster else "ATen", ours * 1e3, blas * 1e3)
+    return faster
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -209,16 +212,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     pass's thousands of rows (the keys of a batch's grids) 12% faster than MKL's on this
     project's CPU, with no copy of the bias into the output (docs/benchmarks.md, part 9); equal
     to F.linear's to float32 rounding (the decoder's loss on the native path to 1e-5). oneDNN
-    builds a kernel for each new shape (about 1 ms, and memory kept): for products whose rows
-    take few distinct counts."""
+    builds a kernel for each new shape (0.3 to 0.4 ms, and memory kept): a pass's word count
+    changes with every batch, which cost about 1.3% of a run (docs/benchmarks.md, part 23)."""
     if onednn and x.dtype == torch.float32 and onednn_usable(weight):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def linear_layer(layer: torch.nn.Linear, x: Tensor, *, onednn: bool = False) -> Tensor:
-    """layer(x); `onednn`: by `linear(onednn=True)`, which does not run the layer's hooks."""
-    return linear(x, layer.weight, layer.bias, onednn=True) if onednn else layer(x)
+    """layer(x); `onednn`: by oneDNN where it takes the product (`linear`), which does not run
+    the layer's hooks."""
+    if onednn and x.dtype == torch.float32 and onednn_usable(layer.weight):
+        return _OneDNNLinear.apply(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 class _Step(torch.autograd.Function):
