@@ -131,7 +131,7 @@ def mm(a: Tensor, b: Tensor, *, onednn: bool = True) -> Tensor:
     """a @ b, for 2-D a and b; by oneDNN where `onednn` and it takes this float32 product
     (`onednn_usable`), either operand as it lies (a transposed one is copied inside). Equal to
     ATen's to float32 rounding."""
-    if not (onednn and a.dtype == b.dtype == torch.float32 and onednn_usable(b)):
+    if not (onednn and b.dtype == torch.float32 and _takes(a, b)):
         return a @ b
     if not (a.is_contiguous() or a.t().is_contiguous()):
         a = a.contiguous()
@@ -214,7 +214,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     to F.linear's to float32 rounding (the decoder's loss on the native path to 1e-5). oneDNN
     builds a kernel for each new shape (0.3 to 0.4 ms, and memory kept): a pass's word count
     changes with every batch, which cost about 1.3% of a run (docs/benchmarks.md, part 23)."""
-    if onednn and x.dtype == torch.float32 and onednn_usable(weight):
+    if onednn and _takes(x, weight):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -222,9 +222,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
 def linear_layer(layer: torch.nn.Linear, x: Tensor, *, onednn: bool = False) -> Tensor:
     """layer(x); `onednn`: by oneDNN where it takes the product (`linear`), which does not run
     the layer's hooks."""
-    if onednn and x.dtype == torch.float32 and onednn_usable(layer.weight):
+    if onednn and _takes(x, layer.weight):
         return _OneDNNLinear.apply(x, layer.weight, layer.bias)
     return layer(x)
+
+
+def _takes(x: Tensor, weight: Tensor) -> bool:
+    """Whether oneDNN takes the product of `x` by `weight` here (float32, `onednn_usable`)."""
+    return x.dtype == torch.float32 and onednn_usable(weight)
 
 
 class _Step(torch.autograd.Function):
