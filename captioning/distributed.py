@@ -87,14 +87,6 @@ def rank_zero_result(strategy: Any, fn: Callable[[], T], *, what: str) -> T:
     return result
 
 
-def rank_zero_first(strategy: Any, fn: Callable[[], None], *, what: str) -> None:
-    """`fn` on rank zero, then on the other ranks, once rank zero's went well
-    (`rank_zero_result`)."""
-    rank_zero_result(strategy, fn, what=what)
-    if not strategy.is_global_zero:
-        fn()
-
-
 def end_process_group(*, barrier: bool = True) -> None:
     """Tear the default process group down, after a last `barrier` (skipped on an error path,
     where another rank may never reach it), so that no gloo/NCCL thread or TCP store is still

@@ -16,7 +16,7 @@ from captioning import checkpoint as ckpt
 from captioning import evaluation, rng_state
 from captioning.callbacks.gumbel import GumbelTemperature
 from captioning.data.carving import CARVING, CARVING_KEY, check_carving
-from captioning.data.features import attach_feature_cache
+from captioning.data.serving import attach_feature_cache
 from captioning.distributed import rank_zero_result
 from captioning.evaluation import EvalResults, compute_metrics, gather, to_results, write_results
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig

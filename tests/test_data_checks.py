@@ -231,7 +231,7 @@ def test_unchecked_images_fail_the_cache_build_naming_the_entry(
     """With `validate_images` false, the first bad image the feature cache meets stops the
     build in one problem naming the file, its split and id, and the setting that lists them
     all before any step (a missing one was a bare `[Errno 2]` from the cache's key)."""
-    from captioning.data.features import attach_feature_cache
+    from captioning.data.serving import attach_feature_cache
 
     name = "train_00004.png" if damage == "missing" else "train_00003.png"
     kwargs = {k: v for k, v in messy_kwargs.items() if k != "source"}

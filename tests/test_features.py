@@ -20,7 +20,8 @@ from captioning.data import device_grids
 from captioning.data.cache_names import CACHE_NAME_RE, cache_files, cache_identity
 from captioning.data.datamodule import CaptionDataModule
 from captioning.data.datasets import CachedInputs
-from captioning.data.features import CacheError, FeatureCache, attach_feature_cache
+from captioning.data.features import CacheError, FeatureCache
+from captioning.data.serving import attach_feature_cache
 from captioning.data.transforms import build_image_transform
 from captioning.lit_module import CaptioningModule
 from captioning.models.captioner import CaptionerConfig, DecodeConfig
@@ -500,29 +501,34 @@ def test_every_rank_stops_when_one_cannot_copy(shapes_dm_kwargs: dict, tmp_path:
 
 
 class OneRank:
-    """A Lightning strategy's rank for `attach_feature_cache`: `told` is what rank zero's
-    broadcast gives the other ranks; `sent` records this rank's broadcasts."""
+    """A Lightning strategy's rank for `attach_feature_cache`: rank zero's broadcast gives the
+    other ranks `opened` and its error line `told`; `sent` records this rank's broadcasts."""
 
-    def __init__(self, zero: bool, told: str | None = None) -> None:
+    def __init__(self, zero: bool, told: str | None = None, opened: list[str] | None = None
+                 ) -> None:
         self.is_global_zero, self.told, self.root_device = zero, told, torch.device("cpu")
-        self.sent: list[str | None] = []  # rank zero's error lines (None: it went well)
+        self.opened = opened
+        self.sent: list[Any] = []  # (what rank zero opened, its error line)
 
-    def broadcast(self, obj: tuple[None, str | None, None], src: int = 0
-                  ) -> tuple[None, str | None, None]:
-        self.sent.append(obj[1])
-        return obj if self.is_global_zero else (None, self.told, None)
+    def broadcast(self, obj: tuple[Any, str | None, None], src: int = 0
+                  ) -> tuple[Any, str | None, None]:
+        self.sent.append(obj[:2])
+        return obj if self.is_global_zero else (self.opened, self.told, None)
 
 
 class Opens:
-    """A data module's `use_encoder_cache`, counted, raising `error` where given."""
+    """A data module's `use_encoder_cache`, counted, raising `error` where given; it opened
+    `opened_caches`, and was told `checked`."""
 
     features_on_device = False
 
-    def __init__(self, error: Exception | None = None) -> None:
-        self.error, self.calls = error, 0
+    def __init__(self, error: Exception | None = None, opened: tuple[str, ...] = ()) -> None:
+        self.error, self.calls, self.opened_caches = error, 0, list(opened)
+        self.checked: Any = None
 
-    def use_encoder_cache(self, encoder: Any, key: Any, device: Any = None) -> None:
-        self.calls += 1
+    def use_encoder_cache(self, encoder: Any, key: Any, device: Any = None,
+                          checked: Any = ()) -> None:
+        self.calls, self.checked = self.calls + 1, checked
         if self.error is not None:
             raise self.error
 
@@ -535,16 +541,39 @@ def test_every_rank_stops_when_rank_zero_cannot_build_the_cache() -> None:
     zero, dm = OneRank(zero=True), Opens(CacheError("cannot write the feature cache: no room"))
     with pytest.raises(CacheError, match="no room"):  # its own error, after telling them
         attach_feature_cache(dm, None, {}, strategy=zero)
-    assert zero.sent == ["CacheError: cannot write the feature cache: no room"]
-    other, dm = OneRank(zero=False, told=zero.sent[0]), Opens()
+    assert zero.sent == [(None, "CacheError: cannot write the feature cache: no room")]
+    other, dm = OneRank(zero=False, told=zero.sent[0][1]), Opens()
     with pytest.raises(RankZeroFailed, match=r"^rank zero could not build the feature cache, "
                                              r"so this rank stops: CacheError: cannot write"):
         attach_feature_cache(dm, None, {}, strategy=other)
     assert dm.calls == 0  # nothing opened, nothing built here
-    for rank in (OneRank(zero=True), OneRank(zero=False, told=None)):  # it went well: all open
-        dm = Opens()
-        attach_feature_cache(dm, None, {}, strategy=rank)
-        assert dm.calls == 1 and rank.sent == [None]
+    zero, dm = OneRank(zero=True), Opens(opened=("/c/train.npy", "/c/val.npy"))
+    attach_feature_cache(dm, None, {}, strategy=zero)  # it went well: all open
+    assert dm.calls == 1 and zero.sent == [(["/c/train.npy", "/c/val.npy"], None)]
+    other, dm = OneRank(zero=False, opened=zero.sent[0][0]), Opens()
+    attach_feature_cache(dm, None, {}, strategy=other)
+    # the others are told which files rank zero has just checked: no second full check
+    assert dm.calls == 1 and dm.checked == ["/c/train.npy", "/c/val.npy"]
+
+
+def test_a_cache_another_process_has_just_checked_is_opened_by_its_size(
+        copied_images: list[Path], tmp_path: Path) -> None:
+    """`checked` (rank zero's files, in a DDP fit) skips the hashes of those files only: the
+    same damage that a full check finds goes unread there, and is found in a file of another
+    name."""
+    kwargs = {"cache_dir": tmp_path / "c", "encoder": tiny_encoder(),
+              "encoder_config": {"backbone": "resnet18"}, "image_size": S,
+              "paths": copied_images, "transform": build_image_transform(S), "progress": False}
+    built = FeatureCache.build(**kwargs)
+    with open(built.array_path, "r+b") as f:  # same size, other bytes
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\xff\xff\xff\xff")
+    trusted = FeatureCache.build(**kwargs, checked={str(built.array_path)})
+    assert trusted.array_path == built.array_path and trusted.verify == "size"
+    assert built.array_path.with_suffix(".json").exists()  # not rebuilt
+    rechecked = FeatureCache.build(**kwargs, checked={str(tmp_path / "other.npy")})
+    assert rechecked.verify == "full"  # the damage found: rebuilt, as any run would
+    assert not np.array_equal(np.fromfile(built.array_path, np.uint8)[-4:], [255] * 4)
 
 
 def test_grids_are_copied_a_chunk_at_a_time() -> None:

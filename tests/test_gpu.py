@@ -24,7 +24,8 @@ from bench.workers import never_end, worker_train
 from PIL import Image
 
 from captioning.data.datamodule import CaptionDataModule
-from captioning.data.features import FeatureCache, attach_feature_cache
+from captioning.data.features import FeatureCache
+from captioning.data.serving import attach_feature_cache
 from captioning.data.transforms import build_image_transform
 from captioning.lit_module import CaptioningModule
 from captioning.models.captioner import Captioner, CaptionerConfig, DecodeConfig

@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = {a for a in args if a in FLAGS}
     args = [a for a in args if a not in FLAGS]
     from captioning.commands.lightning import lightning_cli
-    from captioning.data.features import attach_feature_cache
+    from captioning.data.serving import attach_feature_cache
 
     cli = lightning_cli(args, run=False)
     captioner, dm = cli.model.captioner, cli.datamodule

@@ -33,7 +33,7 @@ import math
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -47,7 +47,6 @@ from captioning.atomic import remove_stale_temporaries, write_atomic, write_json
 from captioning.choices import check_choice
 from captioning.data.cache_names import CACHE_VERSION, cache_files, cache_identity
 from captioning.data.datasets import ImageInputs
-from captioning.distributed import agreement, rank_zero_first
 from captioning.locks import exclusive_lock, sigterm_raises
 
 log = logging.getLogger(__name__)
@@ -283,12 +282,17 @@ class FeatureCache:
         device: str | torch.device | None = None,
         progress: bool | str = True,
         verify: str = "full",
+        checked: Collection[str] = (),
     ) -> FeatureCache:
         """Open the cache for these images and encoder, building it first if it is missing or
-        fails its check (`verify`). `progress`: show a progress bar (a string labels it)."""
+        fails its check (`verify`; by size only where its array file is one of `checked`, which
+        another process has just checked). `progress`: show a progress bar (a string labels
+        it)."""
         key, paths = cache_identity(encoder_config=encoder_config, image_size=image_size,
                                     paths=paths)
         cache_dir = Path(cache_dir)
+        if str(cache_files(cache_dir, key)[0]) in checked:
+            verify = "size"
         keys = [str(p) for p in paths]
         if cache_dir.is_dir():
             _remove_stale(cache_dir)
@@ -416,32 +420,6 @@ def _space_errors(target: Path, info: dict[str, Any]) -> Iterator[None]:
         need = f"{needed:,} bytes needed" if needed else "no room"
         raise CacheError(f"cannot write the feature cache {target}: {need} in {target.parent} "
                          f"({os.strerror(e.errno)}; {free:,} bytes free there)") from None
-
-
-def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any], *,
-                         strategy: Any = None, device: str | torch.device | None = None,
-                         stage: str | None = None) -> None:
-    """Serve `datamodule`'s inputs from the feature cache of a frozen `encoder`: the one attach
-    path of `fit`, `cache-features` and the benchmark.
-
-    `key` is what the grids depend on besides the images (`Captioner.feature_cache_key()`).
-    With a Lightning `strategy` (several processes), rank zero builds the cache while the
-    others wait for its outcome, then open it; where rank zero fails, every rank stops with its
-    error line. Building never shifts the RNG streams. Then, with `features_on_device`, the
-    data module holds `stage`'s grids on `device` (`hold_grids`).
-    """
-    from lightning.pytorch.utilities.seed import isolate_rng
-
-    if strategy is not None and device is None:
-        device = strategy.root_device
-    with isolate_rng():
-        if strategy is None:
-            datamodule.use_encoder_cache(encoder, key, device=device)
-        else:
-            rank_zero_first(strategy, lambda: datamodule.use_encoder_cache(
-                encoder, key, device=device), what="build the feature cache")
-    if getattr(datamodule, "features_on_device", False) and device is not None:
-        datamodule.hold_grids(device, stage=stage, agree=agreement(strategy))
 
 
 def _progress(total: int, enabled: bool, desc: str) -> Any:

@@ -6,11 +6,12 @@ images (`use_encoder_cache`, built once per split: `captioning.data.features`), 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from captioning.data.datasets import CaptionBatch
 from captioning.data.device_grids import DeviceGrids
@@ -19,7 +20,7 @@ from captioning.data.images import ImageLoadError
 from captioning.data.problems import DataError
 from captioning.data.readers import DATA_SPLITS, ImageRecord
 from captioning.data.reading import unchecked_image
-from captioning.distributed import agreement
+from captioning.distributed import agreement, rank_zero_result
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +45,20 @@ class FeatureServing:
     trainer: Any
 
     def use_encoder_cache(self, encoder: Any, encoder_config: dict[str, Any], *,
-                          device: Any = None) -> None:
+                          device: Any = None, checked: Collection[str] = ()) -> None:
         """Serve cached annotation grids of a frozen `encoder` instead of images.
 
         Each split's grids are computed once (`captioning.data.features.FeatureCache`) and
-        memory-mapped; datasets already set up switch their inputs in place.
+        memory-mapped; datasets already set up switch their inputs in place. `checked`: array
+        files that another process has just opened under `cache_verify` (rank zero's
+        `opened_caches`), opened here after a size check only.
         """
         if self._encoder is not None and encoder_config == self._encoder_config:
             return  # already served from these caches (a later stage of the same run)
         if self.hflip:
             log.warning("feature cache: hflip is ignored, cached features are never flipped")
         self._encoder, self._encoder_config, self._cache_device = encoder, encoder_config, device
+        self._checked_caches = frozenset(checked)
         for split, ds in self._datasets.items():
             ds.inputs = self._make_inputs(self.records(split), split)
 
@@ -81,16 +85,18 @@ class FeatureServing:
 
     def _build_cache(self, records: Sequence[ImageRecord], split: str) -> FeatureCache:
         try:
-            return FeatureCache.build(
+            cache = FeatureCache.build(
                 cache_dir=self.cache_root(), encoder=self._encoder,
                 encoder_config=self._encoder_config, image_size=self.image_size,
                 paths=[r.path for r in records], transform=self.image_transform(False),
                 batch_size=self.eval_batch_size, num_workers=self.num_workers,
                 device=self._cache_device, progress=f"caching {split} features",
-                verify=self.cache_verify)
+                verify=self.cache_verify, checked=self._checked_caches)
         except ImageLoadError as e:  # the first bad image met (unchecked, or damaged within)
             raise DataError(unchecked_image(records, split, e,
                                             validated=self.validate_images)) from None
+        self.opened_caches.append(str(cache.array_path))
+        return cache
 
     def hold_grids(self, device: str | torch.device, *, stage: str | None = None,
                    agree: Callable[[bool], bool] | None = None) -> None:
@@ -121,3 +127,36 @@ class FeatureServing:
         if images is batch.images and batch.grid_split is None:
             return batch
         return batch.replace(images=images, grid_split=None)
+
+
+def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any], *,
+                         strategy: Any = None, device: str | torch.device | None = None,
+                         stage: str | None = None) -> None:
+    """Serve `datamodule`'s inputs from the feature cache of a frozen `encoder`: the one attach
+    path of `fit`, `cache-features` and the benchmark.
+
+    `key` is what the grids depend on besides the images (`Captioner.feature_cache_key()`).
+    With a Lightning `strategy` (several processes), rank zero builds the cache while the
+    others wait for its outcome, then open it; where rank zero fails, every rank stops with its
+    error line. The files rank zero has just opened under `cache_verify` are not hashed again
+    by every other rank: they check their sizes only (files of other names, as images copied
+    per node give, get the full check). Building never shifts the RNG streams. Then, with
+    `features_on_device`, the data module holds `stage`'s grids on `device` (`hold_grids`).
+    """
+    from lightning.pytorch.utilities.seed import isolate_rng
+
+    if strategy is not None and device is None:
+        device = strategy.root_device
+    with isolate_rng():
+        if strategy is None:
+            datamodule.use_encoder_cache(encoder, key, device=device)
+        else:
+            def on_rank_zero() -> list[str]:
+                datamodule.use_encoder_cache(encoder, key, device=device)
+                return list(getattr(datamodule, "opened_caches", []))
+
+            checked = rank_zero_result(strategy, on_rank_zero, what="build the feature cache")
+            if not strategy.is_global_zero:
+                datamodule.use_encoder_cache(encoder, key, device=device, checked=checked)
+    if getattr(datamodule, "features_on_device", False) and device is not None:
+        datamodule.hold_grids(device, stage=stage, agree=agreement(strategy))

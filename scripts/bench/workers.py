@@ -81,7 +81,7 @@ def build_run(spec: dict[str, Any], *, cached: bool) -> tuple[Any, Any]:
 
 def attach_cache(module: Any, dm: Any, device: str) -> None:
     """The feature cache, through `fit`'s one attach path."""
-    from captioning.data.features import attach_feature_cache
+    from captioning.data.serving import attach_feature_cache
 
     captioner = module.captioner
     attach_feature_cache(dm, captioner.encoder, captioner.feature_cache_key(), device=device)
