@@ -171,7 +171,7 @@ class CaptionDataModule(FeatureServing, L.LightningDataModule):
         self._encoder_config: dict[str, Any] = {}
         self._cache_device: Any = None
         self.device_grids = DeviceGrids()  # with `features_on_device`
-        self.opened_caches: list[str] = []  # the caches' array files, as opened or built
+        self.opened_caches: set[str] = set()  # the caches' array files, as opened or built
         self._checked_caches: frozenset[str] = frozenset()  # checked by another process
 
         self.skipped: dict[str, int] = {"captions": 0, "images": 0, "image_files": 0}

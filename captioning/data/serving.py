@@ -95,7 +95,7 @@ class FeatureServing:
         except ImageLoadError as e:  # the first bad image met (unchecked, or damaged within)
             raise DataError(unchecked_image(records, split, e,
                                             validated=self.validate_images)) from None
-        self.opened_caches.append(str(cache.array_path))
+        self.opened_caches.add(str(cache.array_path))  # once, however often it is opened
         return cache
 
     def hold_grids(self, device: str | torch.device, *, stage: str | None = None,
@@ -153,7 +153,7 @@ def attach_feature_cache(datamodule: Any, encoder: nn.Module, key: dict[str, Any
         else:
             def on_rank_zero() -> list[str]:
                 datamodule.use_encoder_cache(encoder, key, device=device)
-                return list(getattr(datamodule, "opened_caches", []))
+                return sorted(getattr(datamodule, "opened_caches", ()))
 
             checked = rank_zero_result(strategy, on_rank_zero, what="build the feature cache")
             if not strategy.is_global_zero:
