@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from captioning.models import native
+
 log = logging.getLogger(__name__)
 
 
@@ -129,13 +131,20 @@ def onednn_usable(weight: Tensor) -> bool:
 
 def mm(a: Tensor, b: Tensor, *, onednn: bool = True) -> Tensor:
     """a @ b, for 2-D a and b; by oneDNN where `onednn` and it takes this float32 product
-    (`onednn_usable`), either operand as it lies (a transposed one is copied inside). Equal to
-    ATen's to float32 rounding."""
+    (`onednn_usable`), b as it lies, a made `contiguous` first. Equal to ATen's to float32
+    rounding."""
     if not (onednn and b.dtype == torch.float32 and _takes(a, b)):
         return a @ b
-    if not (a.is_contiguous() or a.t().is_contiguous()):
-        a = a.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(contiguous(a), b.t(), None, "none", [], "")
+
+
+def contiguous(a: Tensor) -> Tensor:
+    """a, contiguous: a transposed view (a weight gradient's G^T) by the native kernel where
+    it is loaded (`native.transposed`), else by ATen's copy, as oneDNN would copy it itself."""
+    if a.is_contiguous():
+        return a
+    copy = native.transposed(a.t()) if a.dim() == 2 else None
+    return a.contiguous() if copy is None else copy
 
 
 def pack(weight: Tensor) -> Tensor | None:

@@ -39,19 +39,22 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from captioning.atomic import write_text_atomic
 from captioning.locks import exclusive_lock
-from captioning.models.pass_grads import PassGradient
+
+if TYPE_CHECKING:
+    from captioning.models.pass_grads import PassGradient
 
 log = logging.getLogger(__name__)
 
 #: The kernels' sources: attention's score and context, and the LSTM cell.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "cell.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("attention.cpp", "cell.cpp", "layout.cpp"))
 DTYPES = (torch.float32, torch.bfloat16)  # the kernels' grids; others run the ATen ops
 #: The context's annotations may also be float16: a cached grid, read as the float32 it holds.
 VALUE_DTYPES = (*DTYPES, torch.float16)
@@ -136,11 +139,16 @@ def build(build_root: Path | None = None) -> None:
     log.debug("native CPU kernels loaded in %.1f s (%s)", time.monotonic() - start, folder)
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process (`available` loads them)."""
+    return hasattr(torch.ops.captioning_native, "transposed")
+
+
 @functools.cache
 def available() -> bool:
     """Whether the kernels are loaded, building them on the first call; False, with one
     warning, where they cannot be built."""
-    if hasattr(torch.ops.captioning_native, "lstm_cell"):
+    if loaded():
         return True
     try:
         build()
@@ -182,6 +190,18 @@ def flop_formulas() -> dict[Any, Any]:
             ops.additive_score_backward: per_location(2, captions=0, grid=1),  # (g, keys, ...)
             ops.attention_context: per_location(2, captions=0, grid=1),  # (weights, values, .)
             ops.attention_context_backward: per_location(2, captions=0, grid=1)}  # (dz, ...)
+
+
+def transposed(t: Tensor) -> Tensor | None:
+    """t^T, contiguous, of a contiguous 2-D float32 CPU tensor t, by the kernel (layout.cpp):
+    its two threads transpose 16 × 16 tiles in vector registers, where ATen's transposing copy
+    runs on one, element by element (the keys' gradient of a batch, 6272 × 512: 0.28 against
+    1.6 ms, caches flushed; docs/benchmarks.md, part 24). None where the kernels are not loaded
+    (`loaded`: this never builds them) or do not take t."""
+    if not (loaded() and t.dim() == 2 and t.dtype == torch.float32 and t.device.type == "cpu"
+            and t.is_contiguous() and not torch.compiler.is_compiling()):
+        return None
+    return torch.ops.captioning_native.transposed(t)
 
 
 class NativeAdditiveScore(torch.autograd.Function):
