@@ -495,6 +495,8 @@ def test_the_kernel_builds_and_scores_right_at_every_vector_width(capability: st
         z = ops.attention_context(a, keys, rows)
         ref = torch.bmm(a.double().unsqueeze(1), keys.double()[rows]).squeeze(1)
         torch.testing.assert_close(z.double(), ref, rtol=1e-5, atol=1e-5)
+        x = torch.randn(41, 37, generator=g)  # the transposing kernel: tiles and tails
+        assert torch.equal(ops.transposed(x), x.t().contiguous())
         dz = torch.randn(3, 37, generator=g)
         ref = torch.bmm(keys.double()[rows], dz.double().unsqueeze(2))[..., 0]
         torch.testing.assert_close(ops.attention_context_backward(dz, keys, rows).double(), ref,
@@ -522,6 +524,47 @@ def test_the_kernel_builds_and_scores_right_at_every_vector_width(capability: st
     """, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "equal" in result.stdout
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("rows", [None, [2, 0, 2]], ids=["a-row-a-caption", "shared-rows"])
+def test_the_keys_gradient_rows_are_written_where_first_met_and_added_after(
+        rows: list[int] | None) -> None:
+    """`written` (the pass's unfilled sum, `PassGradient.unfilled_sum`): a row whose flag is
+    False is written, whatever it held, and flagged; a flagged row is added to; rows no caption
+    reads keep what they hold and their flag."""
+    g = torch.Generator().manual_seed(9)
+    keys, q = torch.randn(4, 5, 37, generator=g), torch.randn(3, 37, generator=g)
+    w, up = torch.randn(37, generator=g), torch.randn(3, 5, generator=g)
+    idx = None if rows is None else torch.tensor(rows)
+    fresh = torch.zeros_like(keys)
+    torch.ops.captioning_native.additive_score_backward(up, keys, q, w, idx, fresh)
+    read = sorted(set(range(3) if rows is None else rows))  # rows the captions read
+    dkeys = torch.full_like(keys, float("nan"))  # unwritten memory
+    dkeys[0] = 1.0  # row 0 already holds a sum
+    written = torch.tensor([True, False, False, False])
+    torch.ops.captioning_native.additive_score_backward(up, keys, q, w, idx, dkeys, written)
+    assert written.tolist() == [True] + [r in read for r in range(1, 4)]
+    for r in range(4):
+        if r == 0:
+            torch.testing.assert_close(dkeys[0], fresh[0] + 1.0, rtol=1e-6, atol=1e-6)
+        elif r in read:
+            assert torch.equal(dkeys[r], fresh[r])
+        else:
+            assert dkeys[r].isnan().all()
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("shape", [(37, 21), (6272 // 98, 512), (16, 16), (1, 5), (0, 3)],
+                         ids=["tails", "keys-like", "one-tile", "one-row", "empty"])
+def test_the_transposing_kernel_equals_atens_transpose(shape: tuple[int, int]) -> None:
+    """`native.transposed`: t^T, contiguous, to the bit, whole tiles and their tails alike;
+    None for what it does not take (another dtype, a view that is not contiguous)."""
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    out = native.transposed(t)
+    assert out is not None and out.is_contiguous() and torch.equal(out, t.t())
+    assert native.transposed(t.double()) is None
+    assert native.transposed(torch.randn(4, 10)[:, ::2]) is None
 
 
 def test_memory_rows_are_taken_and_repeated_as_the_captions_are() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captioning.models import packing
+from captioning.models import native, packing
 from captioning.models.decoder import AttentionLSTMDecoder
 from captioning.models.packing import PackedSteps, dropout_mask
 
@@ -59,16 +59,26 @@ def test_packed_dropout_drops_what_nn_dropout_drops_on_the_padded_batch(
     assert pk.dropout(0.0, training=True)(packed) is packed
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["native-kernel", "no-kernel"])
 @pytest.mark.parametrize("serial", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("p", [0.5, 0.3, 0.9, 0.0, 1.0])
 def test_dropout_mask_is_f_dropouts_mask_bit_for_bit_from_the_same_stream(
-        monkeypatch: pytest.MonkeyPatch, serial: bool, dtype: torch.dtype, p: float) -> None:
-    """Both ways of drawing it (torch.rand's doubles where ATen's Bernoulli draws them one at a
-    time, else F.dropout itself) give F.dropout's mask and leave the generator where it does."""
+        monkeypatch: pytest.MonkeyPatch, serial: bool, dtype: torch.dtype, p: float,
+        kernel: bool) -> None:
+    """Every way of drawing it (the native kernel's float32 masks, torch.rand's doubles where
+    ATen's Bernoulli draws them one at a time, else F.dropout itself) gives F.dropout's mask
+    and leaves the generator where it does."""
     if serial and not packing.serial_cpu_bernoulli():
         pytest.skip("this CPU's bernoulli_ is not the serial one (MKL's, on Intel)")
+    if kernel and not native.available():
+        pytest.skip("the native kernels cannot be built here")
     monkeypatch.setattr(packing, "serial_cpu_bernoulli", lambda: serial)
+    monkeypatch.setattr(native, "loaded", lambda: kernel)
+    drawn: list[tuple[int, ...]] = []
+    real = native.dropout_mask
+    monkeypatch.setattr(native, "dropout_mask",
+                        lambda shape, keep, gen=None: (drawn.append(shape), real(shape, keep, gen))[1])
     shape = (5, 7, 33)  # odd sizes: no vector-width luck
     torch.manual_seed(11)
     want = torch.nn.functional.dropout(torch.ones(shape, dtype=dtype), p, training=True)
@@ -81,6 +91,33 @@ def test_dropout_mask_is_f_dropouts_mask_bit_for_bit_from_the_same_stream(
     if 0 < p < 1:
         assert set(got.unique().tolist()) == {0.0,
                                                float(torch.tensor(1 / (1 - p), dtype=dtype))}
+    assert (shape in drawn) == (kernel and serial and dtype == torch.float32 and 0 < p < 1)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.7, 0.1, 0.999, 2.0**-60])
+@pytest.mark.parametrize("shape", [(3,), (2049,), (3, 701, 2)], ids=["few", "a-block-and-one",
+                                                                     "several-blocks"])
+def test_the_native_mask_is_torch_rands_draws_below_keep(shape: tuple[int, ...],
+                                                        keep: float) -> None:
+    """`native.dropout_mask` on a generator mid-state (an odd number of draws taken, so that
+    the twister is part-way through its 624 words): the mask (torch.rand(float64) < keep) /
+    keep in float32, and the stream where those draws leave it; the default generator too."""
+    if not native.available():
+        pytest.skip("the native kernels cannot be built here")
+    gens = [torch.Generator().manual_seed(5) for _ in range(2)]
+    for g in gens:
+        torch.rand(623, generator=g)
+    want = (torch.rand(shape, dtype=torch.float64, generator=gens[0]) < keep).float().div_(keep)
+    got = native.dropout_mask(shape, keep, gens[1])
+    assert got is not None and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(torch.rand(700, generator=gens[0]), torch.rand(700, generator=gens[1]))
+    torch.manual_seed(3)
+    want = (torch.rand(shape, dtype=torch.float64) < keep).float().div_(keep)
+    after = torch.rand(5)
+    torch.manual_seed(3)
+    assert torch.equal(native.dropout_mask(shape, keep), want) and torch.equal(torch.rand(5),
+                                                                               after)
 
 
 def test_serial_cpu_bernoulli_matches_what_this_build_draws() -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from captioning.models import pass_grads
+from captioning.models import native, pass_grads
 from captioning.models.pass_grads import (
     PassGradient,
     RecurrentProduct,
@@ -26,7 +27,8 @@ def _unrolled(weight: Tensor, keys: Tensor, bias: Tensor, x0: Tensor, *, defer: 
     still running; the loss also reads W directly, outside the steps."""
     product = RecurrentProduct(weight, defer=defer, onednn=onednn)
     assert product.onednn == (onednn and defer and torch.backends.mkldnn.is_available())
-    assert product.packed is None or product.onednn
+    # oneDNN's steps read W packed both ways; the transposed one where the kernel transposes it
+    assert product.packed == (None, None) or (product.onednn and product.packed[0] is not None)
     keys, _ = PassGradient.through(keys, defer=defer)  # its sum from plain slicing's grads
     x, total = x0, x0.new_zeros(())
     for t, rows in enumerate(ROWS):
@@ -97,6 +99,30 @@ def test_the_keys_gradient_sums_only_running_rows() -> None:
     assert sink.take() is None and seen.grad_fn is not None
 
 
+def test_an_unfilled_sum_reads_as_zero_where_no_step_wrote() -> None:
+    """`unfilled_sum`: no zero fill; rows a kernel has not written (flag False) are zero in the
+    sum handed over, and in the zero-filled sum asked for after it (`running_sum`)."""
+    keys = torch.randn(4, 3, 2, requires_grad=True)
+    _, sink = PassGradient.through(keys)
+    assert sink is not None
+    dense, written = sink.unfilled_sum(torch.float32)
+    assert dense.shape == keys.shape and written.dtype == torch.bool and not written.any()
+    dense.fill_(float("nan"))  # what fresh memory may hold
+    dense[1], written[1] = 5.0, True  # a kernel wrote row 1 only
+    total = sink.take()
+    assert total is not None and total[1].eq(5).all()
+    assert total[[0, 2, 3]].eq(0).all()
+    dense, written = sink.unfilled_sum(torch.float32)  # the next pass starts afresh
+    dense.fill_(float("nan"))
+    dense[3], written[3] = 2.0, True
+    filled = sink.running_sum(torch.float32)  # an ATen step of the same pass: zero-filled
+    assert filled is dense and filled[:3].eq(0).all() and filled[3].eq(2).all()
+    filled[0] += 1
+    dense, written = sink.unfilled_sum(torch.float32)  # every row holds a sum now
+    assert written.all()
+    assert torch.equal(sink.take()[:, 0, 0], torch.tensor([1.0, 0, 0, 2]))
+
+
 def test_without_autograd_it_is_plain_addmm() -> None:
     w, b, x = torch.randn(4, 3, requires_grad=True), torch.randn(2, 3), torch.randn(2, 4)
     with torch.no_grad():
@@ -118,7 +144,9 @@ def test_a_layers_product_over_a_pass_is_the_layers_and_sums_its_gradient(onednn
     product = RecurrentProduct(layer.weight.t(), onednn=onednn)
     assert product.grad is not None
     assert product.onednn == (onednn and torch.backends.mkldnn.is_available())
-    assert (product.packed is not None) == product.onednn  # W_q lies contiguous: packed
+    # packed for both ways: W_q^T lies contiguous; W_q where the native kernel transposes it
+    assert (product.packed[0] is not None) == product.onednn
+    assert (product.packed[1] is not None) == (product.onednn and native.loaded())
     outs = [product(layer.bias, x) for x in xs]
     for out, x in zip(outs, xs):
         torch.testing.assert_close(out, layer(x), rtol=1e-6, atol=1e-6)
@@ -246,6 +274,31 @@ def test_linear_by_onednn_equals_f_linear_and_its_gradients(
         assert linear(x0, w0, b0, onednn=True).dtype == torch.bfloat16
 
 
+def test_a_product_of_many_rows_reads_its_weight_packed_and_equals_f_linear(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`linear` by oneDNN packs its weight first from `PACK_ROWS` rows on (the keys of a
+    batch's grids), not below; equal to F.linear either way, gradients too."""
+    if not onednn_usable(torch.ones(1)):
+        pytest.skip("oneDNN cannot take float32 products here")
+    packed: list[int] = []
+    real = pass_grads.pack
+    monkeypatch.setattr(pass_grads, "pack", lambda w, *, rows=32: (packed.append(rows),
+                                                                   real(w, rows=rows))[1])
+    g = torch.Generator().manual_seed(8)
+    w, b = torch.randn(9, 12, generator=g, requires_grad=True), torch.randn(9, generator=g)
+    for rows, expect in ((pass_grads.PACK_ROWS + 5, [pass_grads.PACK_ROWS + 5]), (40, [])):
+        packed.clear()
+        x = torch.randn(rows, 12, generator=g)
+        out = linear(x.view(-1, rows // 5 if rows % 5 == 0 else rows, 12), w, b, onednn=True)
+        assert packed == expect
+        ref = F.linear(x, w, b)
+        torch.testing.assert_close(out.reshape(rows, 9), ref, rtol=1e-5, atol=1e-5)
+        up = torch.randn(rows, 9, generator=g)
+        (dw,) = torch.autograd.grad((out.reshape(rows, 9) * up).sum(), w)
+        (ref_dw,) = torch.autograd.grad((ref * up).sum(), w)
+        torch.testing.assert_close(dw, ref_dw, rtol=1e-4, atol=1e-4)
+
+
 def test_a_product_by_onednn_equals_atens_for_any_operand_layout(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`mm`: a @ b by oneDNN for float32 operands as they lie (either one transposed, or a
@@ -262,6 +315,36 @@ def test_a_product_by_onednn_equals_atens_for_any_operand_layout(
     assert torch.equal(mm(a.double(), b.double()), a.double() @ b.double())
     assert torch.equal(mm(a, b, onednn=False), a @ b)
     assert len(calls) == len(layouts)  # neither went to oneDNN
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["native-kernel", "no-kernel"])
+def test_a_transposed_operand_is_made_contiguous_by_the_native_kernel_where_it_is_loaded(
+        kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`contiguous`: a transposed view (a weight gradient's G^T) copied by `native.transposed`
+    where the kernels are loaded, and by ATen's copy where they are not, or where the view is
+    not a plain transpose; the values alike, the product by it equal."""
+    if kernel and not native.available():
+        pytest.skip("the native kernels cannot be built here")
+    monkeypatch.setattr(native, "loaded", lambda: kernel)
+    calls: list[bool] = []  # whether the kernel copied, a call each
+    real = native.transposed
+
+    def spy(t: Tensor) -> Tensor | None:
+        out = real(t)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native, "transposed", spy)
+    g = torch.Generator().manual_seed(6)
+    grad, x = torch.randn(37, 21, generator=g), torch.randn(37, 5, generator=g)
+    a = pass_grads.contiguous(grad.t())
+    assert a.is_contiguous() and torch.equal(a, grad.t())
+    torch.testing.assert_close(mm(grad.t(), x), grad.t() @ x, rtol=1e-6, atol=1e-5)
+    assert calls == [kernel, kernel]  # it copies where it is loaded
+    strided = torch.randn(21, 74, generator=g)[:, ::2]  # neither way contiguous: ATen's copy
+    out = pass_grads.contiguous(strided)
+    assert out.is_contiguous() and torch.equal(out, strided) and calls[2:] == [False]
+    assert pass_grads.contiguous(x) is x and len(calls) == 3
 
 
 def test_the_faster_of_onednn_and_aten_is_timed_once_off_the_global_random_stream() -> None:

@@ -69,6 +69,7 @@ class PassGradient:
         self._inputs: list[Tensor] = []
         self._grads: list[Tensor] = []
         self._dense: Tensor | None = None
+        self._written: Tensor | None = None  # (N,) the rows of `_dense` that hold a sum
 
     @classmethod
     def through(cls, t: Tensor, *, defer: bool = True, dtype: torch.dtype | None = None,
@@ -93,7 +94,26 @@ class PassGradient:
         step."""
         if self._dense is None:
             self._dense = torch.zeros(self.shape, dtype=dtype, device=self.device)
+        self._fill_unwritten()
         return self._dense
+
+    def unfilled_sum(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The running sum and the flags (N,) of its rows that hold a sum, for a kernel that
+        writes a row it meets first instead of adding to it, and sets its flag: no zero fill of
+        the whole tensor once a pass (1.3 ms a training step at 32 × 196 × 512; the sum reads
+        as zero where no step wrote)."""
+        if self._dense is None:
+            self._dense = torch.empty(self.shape, dtype=dtype, device=self.device)
+            self._written = torch.zeros(self.shape[0], dtype=torch.bool, device=self.device)
+        elif self._written is None:  # zero-filled: every row holds a sum
+            self._written = torch.ones(self.shape[0], dtype=torch.bool, device=self.device)
+        return self._dense, self._written
+
+    def _fill_unwritten(self) -> None:
+        """Zero the rows of the sum that no step wrote (`unfilled_sum`)."""
+        written, self._written = self._written, None
+        if self._dense is not None and written is not None and not bool(written.all()):
+            self._dense[~written] = 0
 
     def add_rows(self, d: Tensor, *, scale: Tensor | None = None) -> None:
         """A step's gradient `d` (times `scale`, broadcast, if given) of the first d.size(0)
@@ -109,6 +129,7 @@ class PassGradient:
         backward starts afresh. Under bf16 autocast the product runs in bf16 (summing in
         float32 inside, as autocast's own products do), rounded once; in float32 under fp16,
         whose range one sum over every step's rows could exceed."""
+        self._fill_unwritten()
         total, self._dense = self._dense, None
         if self._inputs:
             x, g = torch.cat(self._inputs), torch.cat(self._grads)
@@ -147,16 +168,20 @@ def contiguous(a: Tensor) -> Tensor:
     return a.contiguous() if copy is None else copy
 
 
-def pack(weight: Tensor) -> Tensor | None:
-    """A linear weight (N, K) in oneDNN's own layout, for the products of a pass's steps, or
-    None where it does not lie contiguous. In the training step, the LSTM's per-word products
-    by the packed weight took 3.6 ms a step against 5.9 by the plain one (32 × 1024 × 2048),
-    for a packing of about 0.5 ms; packing a transposed weight cost eight times as much
-    (docs/benchmarks.md, part 23)."""
-    if not weight.is_contiguous():
-        return None
+def pack(weight: Tensor, *, rows: int = 32) -> Tensor | None:
+    """A linear weight (N, K) in oneDNN's own layout, for products of about `rows` rows (a
+    pass's steps: the batch), or None where it does not lie contiguous and the native kernel
+    cannot transpose it into contiguity (`native.transposed`). In the training step, the LSTM's per-word products by
+    the packed weight took 3.6 ms a step against 5.9 by the plain one (32 × 1024 × 2048), for
+    a packing of about 0.5 ms; packing a transposed weight as it lies cost eight times as much,
+    and ATen's transposing copy first 0.9 ms (docs/benchmarks.md, parts 23 and 24)."""
     with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        weight = weight.detach()
+        if not weight.is_contiguous():
+            weight = native.transposed(weight.t()) if weight.dim() == 2 else None
+            if weight is None:
+                return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
 
 def _best_of_three(fn: Callable[[], Any]) -> float:
@@ -189,17 +214,27 @@ def onednn_is_faster() -> bool:
     return faster
 
 
+#: A product of at least this many rows reads its weight packed first (`pack`): at the keys'
+#: 6272 rows (32 × 196, 512 × 512) it took 6.56 ms against 7.46, for 0.14 ms of packing; at a
+#: pass's few hundred word rows the packing costs what it saves (docs/benchmarks.md, part 24).
+PACK_ROWS = 2048
+
+
 class _OneDNNLinear(torch.autograd.Function):
     """F.linear with its forward product by oneDNN (the bias added in the product, not copied
-    into the output first); the backward's products by oneDNN where it is the faster here
-    (`onednn_is_faster`), else by ATen."""
+    into the output first), its weight packed first for `PACK_ROWS` rows or more; the
+    backward's products by oneDNN where it is the faster here (`onednn_is_faster`), else by
+    ATen."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor,  # type: ignore[override]
                 bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+        rows = x.numel() // max(1, x.size(-1))
+        packed = pack(weight, rows=rows) if rows >= PACK_ROWS else None
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if packed is None
+                                                  else packed, bias, "none", [], "")
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -249,12 +284,12 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, bias: Tensor | None, x: Tensor,  # type: ignore[override]
                 weight: Tensor, sink: PassGradient, onednn: bool,
-                packed: Tensor | None = None) -> Tensor:
+                packed: tuple[Tensor | None, Tensor | None] = (None, None)) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.sink, ctx.onednn = sink, onednn
+        ctx.sink, ctx.onednn, ctx.packed = sink, onednn, packed[1]
         ctx.dtypes = (None if bias is None else bias.dtype, x.dtype)
         if onednn:  # x W (+ bias), W^T (N, K) as the (out, in) weight, or its `packed` form
-            w = weight.t() if packed is None else packed
+            w = weight.t() if packed[0] is None else packed[0]
             if bias is None:
                 return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, None, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(  # bias (b, N) or (N,), as addmm's
@@ -270,8 +305,9 @@ class _Step(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         ctx.sink.add_product(x, g)
         bias_dtype, x_dtype = ctx.dtypes
-        if ctx.onednn:  # g W^T, W (K, N) as the (out, in) weight
-            dx = torch.ops.mkldnn._linear_pointwise(g.contiguous(), weight, None, "none", [], "")
+        if ctx.onednn:  # g W^T, W (K, N) as the (out, in) weight, or its `packed` form
+            w = weight if ctx.packed is None else ctx.packed
+            dx = torch.ops.mkldnn._linear_pointwise(g.contiguous(), w, None, "none", [], "")
         else:
             dx = g @ weight.t().to(g.dtype)
         return ((None if bias_dtype is None else g.to(bias_dtype)), dx.to(x_dtype),
@@ -288,9 +324,9 @@ class RecurrentProduct:
     slower than oneDNN on this project's AMD CPU (32 × 1024 × 2048: 1.14 against 0.75 ms, W as
     it lies; docs/benchmarks.md). Within 1e-6 relative of MKL's results (the decoder's loss is
     tested to 1e-5). One per pass. W's gradient, summed over the pass, goes to oneDNN too where
-    it is the faster here (`onednn_is_faster`). Where W^T lies contiguous (the LSTM's and the
-    query's), the steps' forward products read it packed once a pass into oneDNN's own layout
-    (`pack`)."""
+    it is the faster here (`onednn_is_faster`). The steps' products read W packed once a pass
+    into oneDNN's own layout (`pack`), W^T for the forward and W for the backward: one of the
+    two lies transposed, and is packed where the native kernel transposes it."""
 
     def __init__(self, weight: Tensor, *, defer: bool = True, onednn: bool = False) -> None:
         onednn = onednn and onednn_usable(weight)
@@ -298,7 +334,8 @@ class RecurrentProduct:
             weight, defer=defer, onednn=onednn and onednn_is_faster(),
             dtype=autocast_dtype(weight))
         self.onednn = onednn and self.grad is not None
-        self.packed = pack(self.weight.t()) if self.onednn else None
+        self.packed = ((pack(self.weight.t()), pack(self.weight)) if self.onednn
+                       else (None, None))  # (forward's, backward's)
 
     def __call__(self, bias: Tensor | None, x: Tensor) -> Tensor:
         """bias (b, N) + x (b, K) @ W (K, N); x W where `bias` is None."""

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 #: The kernels' sources: attention's score and context, and the LSTM cell.
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("attention.cpp", "cell.cpp", "layout.cpp"))
+                for name in ("attention.cpp", "cell.cpp", "layout.cpp", "dropout.cpp"))
 DTYPES = (torch.float32, torch.bfloat16)  # the kernels' grids; others run the ATen ops
 #: The context's annotations may also be float16: a cached grid, read as the float32 it holds.
 VALUE_DTYPES = (*DTYPES, torch.float16)
@@ -204,6 +204,18 @@ def transposed(t: Tensor) -> Tensor | None:
     return torch.ops.captioning_native.transposed(t)
 
 
+def dropout_mask(shape: tuple[int, ...], keep: float,
+                 generator: torch.Generator | None = None) -> Tensor | None:
+    """The float32 CPU mask F.dropout draws for `shape` (1 / keep where kept, else 0), by the
+    kernel (dropout.cpp): the same draws from the same stream (`generator`, by default torch's
+    CPU generator), left advanced alike, where ATen's one draw at a time took about 25 times
+    as long (32 × 12 × 512: 1.8 against 0.07 ms; docs/benchmarks.md, part 24). None where the
+    kernels are not loaded (`loaded`: this never builds them)."""
+    if not loaded() or torch.compiler.is_compiling():
+        return None
+    return torch.ops.captioning_native.dropout_mask(list(shape), keep, generator)
+
+
 class NativeAdditiveScore(torch.autograd.Function):
     """`AdditiveScore` by the native kernel: the same arguments and results, and `rows` (b,)
     where caption c scores keys[rows[c]] (None: keys[c], the first b rows)."""
@@ -222,10 +234,12 @@ class NativeAdditiveScore(torch.autograd.Function):
                  ) -> tuple[Tensor | None, Tensor, Tensor, None, None]:
         keys, q, w1 = ctx.saved_tensors
         sink: PassGradient | None = ctx.keys_grad
-        # rows no caption reads get no gradient: a zero-filled tensor, or the pass's sum
-        dkeys = keys.new_zeros(keys.shape) if sink is None else sink.running_sum(keys.dtype)
+        # rows no caption reads get no gradient: a zero-filled tensor, or the pass's sum, whose
+        # rows the kernel writes where it meets them first (`written`), not zero-filled
+        dkeys, written = ((keys.new_zeros(keys.shape), None) if sink is None
+                          else sink.unfilled_sum(keys.dtype))
         dq, dw = torch.ops.captioning_native.additive_score_backward(
-            g.contiguous(), keys, q, w1, ctx.rows, dkeys)
+            g.contiguous(), keys, q, w1, ctx.rows, dkeys, written)
         dw = dw.view(ctx.w_shape).to(w1.dtype)
         return (None if sink is not None else dkeys), dq.to(q.dtype), dw, None, None
 
