@@ -1,5 +1,6 @@
 """Native CPU kernels for a decoder step's elementwise work (attention's score and context, the
-LSTM cell), compiled on this machine on first use.
+LSTM cell) and for what a training step spends outside its products (a transposing copy,
+dropout masks), compiled on this machine on first use.
 
 On the CPU, the additive score w^T tanh(k_i + q) (Eq. 4) is the largest cost of a training step
 after the products: its elementwise work over the (b, L, A) grid at every word is bound by
@@ -14,6 +15,10 @@ and annotations once, from cache, and sum the keys' gradient into one row: the d
 teacher-forced pass keeps one row per distinct image (`Memory.rows`). `cell.cpp` runs the LSTM
 cell's elementwise update (Eqs. 1-3) in one operation each way, where autograd takes some twenty
 (`lstm_cell`), in float32, in the teacher-forced pass and in every decoding step alike.
+`layout.cpp` copies a float32 matrix transposed on every thread (`transposed`: a weight
+gradient's G^T before oneDNN's product, a weight before its packing), and `dropout.cpp` draws
+F.dropout's masks from torch's own generator, bit for bit, in bulk (`dropout_mask`). These two
+are used only where the kernels are already loaded (`loaded`), never built for them.
 
 `available()` loads them once per process, building with `torch.utils.cpp_extension` (a C++
 compiler and ninja) where they are not built yet: 10 to 30 s, once per machine, torch version
@@ -52,7 +57,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The kernels' sources: attention's score and context, and the LSTM cell.
+#: The kernels' sources: attention's score and context, the LSTM cell, the transposing copy
+#: and the dropout masks.
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("attention.cpp", "cell.cpp", "layout.cpp", "dropout.cpp"))
 DTYPES = (torch.float32, torch.bfloat16)  # the kernels' grids; others run the ATen ops
