@@ -158,8 +158,8 @@ class StepGuard:
                 # stores the result as the gradient): the coefficient's inverse clips in that
                 # pass, not in one of its own over every gradient (1.2 ms a CPU training step;
                 # docs/benchmarks.md, part 24). Equal to clip_grad_norm_'s to float32 rounding.
-                optimizer.grad_scale = ((self.grad_norm + 1e-6) / value).clamp(  # type: ignore[attr-defined]
-                    min=1.0)
+                scale = ((self.grad_norm + 1e-6) / value).clamp(min=1.0)
+                optimizer.grad_scale = scale  # type: ignore[attr-defined]
                 return
             nn.utils.clip_grads_with_norm_(params, value, self.grad_norm)
 

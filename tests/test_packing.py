@@ -77,8 +77,8 @@ def test_dropout_mask_is_f_dropouts_mask_bit_for_bit_from_the_same_stream(
     monkeypatch.setattr(native, "loaded", lambda: kernel)
     drawn: list[tuple[int, ...]] = []
     real = native.dropout_mask
-    monkeypatch.setattr(native, "dropout_mask",
-                        lambda shape, keep, gen=None: (drawn.append(shape), real(shape, keep, gen))[1])
+    monkeypatch.setattr(native, "dropout_mask", lambda shape, keep, gen=None: (
+        drawn.append(shape), real(shape, keep, gen))[1])
     shape = (5, 7, 33)  # odd sizes: no vector-width luck
     torch.manual_seed(11)
     want = torch.nn.functional.dropout(torch.ones(shape, dtype=dtype), p, training=True)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from captioning.models import native
+import captioning.models.native as native
 from captioning.models.attention import Selection
 
 

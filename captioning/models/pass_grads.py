@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from captioning.models import native
+import captioning.models.native as native
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +171,11 @@ def contiguous(a: Tensor) -> Tensor:
 def pack(weight: Tensor, *, rows: int = 32) -> Tensor | None:
     """A linear weight (N, K) in oneDNN's own layout, for products of about `rows` rows (a
     pass's steps: the batch), or None where it does not lie contiguous and the native kernel
-    cannot transpose it into contiguity (`native.transposed`). In the training step, the LSTM's per-word products by
-    the packed weight took 3.6 ms a step against 5.9 by the plain one (32 × 1024 × 2048), for
-    a packing of about 0.5 ms; packing a transposed weight as it lies cost eight times as much,
-    and ATen's transposing copy first 0.9 ms (docs/benchmarks.md, parts 23 and 24)."""
+    cannot transpose it into contiguity (`native.transposed`). In the training step, the
+    LSTM's per-word products by the packed weight took 3.6 ms a step against 5.9 by the plain
+    one (32 × 1024 × 2048), for a packing of about 0.5 ms; packing a transposed weight as it
+    lies cost eight times as much, and ATen's transposing copy first 0.9 ms
+    (docs/benchmarks.md, parts 23 and 24)."""
     with torch.no_grad():
         weight = weight.detach()
         if not weight.is_contiguous():

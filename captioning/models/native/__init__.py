@@ -44,16 +44,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from captioning.atomic import write_text_atomic
 from captioning.locks import exclusive_lock
-
-if TYPE_CHECKING:
-    from captioning.models.pass_grads import PassGradient
 
 log = logging.getLogger(__name__)
 
@@ -222,13 +219,21 @@ def dropout_mask(shape: tuple[int, ...], keep: float,
     return torch.ops.captioning_native.dropout_mask(list(shape), keep, generator)
 
 
+class RunningSum(Protocol):
+    """Where the steps of a pass sum the keys' gradient (`pass_grads.PassGradient`)."""
+
+    def unfilled_sum(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The sum, not zero-filled, and the flags (N,) of the rows that hold a sum."""
+        ...
+
+
 class NativeAdditiveScore(torch.autograd.Function):
     """`AdditiveScore` by the native kernel: the same arguments and results, and `rows` (b,)
     where caption c scores keys[rows[c]] (None: keys[c], the first b rows)."""
 
     @staticmethod
     def forward(ctx: Any, keys: Tensor, q: Tensor, w: Tensor,  # type: ignore[override]
-                keys_grad: PassGradient | None, rows: Tensor | None) -> Tensor:
+                keys_grad: RunningSum | None, rows: Tensor | None) -> Tensor:
         keys, q, w1 = keys.contiguous(), q.contiguous(), w.reshape(-1)
         ctx.save_for_backward(keys, q, w1)
         ctx.keys_grad, ctx.w_shape, ctx.rows = keys_grad, w.shape, rows
@@ -239,7 +244,7 @@ class NativeAdditiveScore(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor  # type: ignore[override]
                  ) -> tuple[Tensor | None, Tensor, Tensor, None, None]:
         keys, q, w1 = ctx.saved_tensors
-        sink: PassGradient | None = ctx.keys_grad
+        sink: RunningSum | None = ctx.keys_grad
         # rows no caption reads get no gradient: a zero-filled tensor, or the pass's sum, whose
         # rows the kernel writes where it meets them first (`written`), not zero-filled
         dkeys, written = ((keys.new_zeros(keys.shape), None) if sink is None
