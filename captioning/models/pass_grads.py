@@ -100,8 +100,9 @@ class PassGradient:
     def unfilled_sum(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The running sum and the flags (N,) of its rows that hold a sum, for a kernel that
         writes a row it meets first instead of adding to it, and sets its flag: no zero fill of
-        the whole tensor once a pass (1.3 ms a training step at 32 × 196 × 512; the sum reads
-        as zero where no step wrote)."""
+        the whole tensor once a pass (the sum reads as zero where no step wrote). Where the
+        heap hands out fresh pages, the kernel's first writes take the page faults the fill
+        took (1.6 ms a step at 32 × 196 × 512, either way; docs/benchmarks.md, part 24)."""
         if self._dense is None:
             self._dense = torch.empty(self.shape, dtype=dtype, device=self.device)
             self._written = torch.zeros(self.shape[0], dtype=torch.bool, device=self.device)
