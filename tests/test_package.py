@@ -37,9 +37,11 @@ def test_configs_are_package_data_with_one_copy() -> None:
     assert '"models/native/*.cpp"' in text  # the native kernel's source, compiled on first use
     from captioning.models.native import SOURCES  # the kernels' sources, shipped alike
 
-    assert {f.name for f in SOURCES} == {"attention.cpp", "cell.cpp"}
-    assert all(f.is_file() and f.parent == REPO / "captioning" / "models" / "native"
-               for f in SOURCES)
+    native_dir = REPO / "captioning" / "models" / "native"
+    assert {f.name for f in SOURCES} == {"attention.cpp", "cell.cpp", "dropout.cpp",
+                                         "layout.cpp"}
+    assert set(SOURCES) == set(native_dir.glob("*.cpp"))  # every source built, and shipped
+    assert all(f.is_file() and f.parent == native_dir for f in SOURCES)
 
 
 @pytest.mark.parametrize("name", ["paper_soft", "model/paper_soft", "model/paper_soft.yaml",
