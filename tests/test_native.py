@@ -527,34 +527,6 @@ def test_the_kernel_builds_and_scores_right_at_every_vector_width(capability: st
 
 
 @pytest.mark.usefixtures("built")
-@pytest.mark.parametrize("rows", [None, [2, 0, 2]], ids=["a-row-a-caption", "shared-rows"])
-def test_the_keys_gradient_rows_are_written_where_first_met_and_added_after(
-        rows: list[int] | None) -> None:
-    """`written` (the pass's unfilled sum, `PassGradient.unfilled_sum`): a row whose flag is
-    False is written, whatever it held, and flagged; a flagged row is added to; rows no caption
-    reads keep what they hold and their flag."""
-    g = torch.Generator().manual_seed(9)
-    keys, q = torch.randn(4, 5, 37, generator=g), torch.randn(3, 37, generator=g)
-    w, up = torch.randn(37, generator=g), torch.randn(3, 5, generator=g)
-    idx = None if rows is None else torch.tensor(rows)
-    fresh = torch.zeros_like(keys)
-    torch.ops.captioning_native.additive_score_backward(up, keys, q, w, idx, fresh)
-    read = sorted(set(range(3) if rows is None else rows))  # rows the captions read
-    dkeys = torch.full_like(keys, float("nan"))  # unwritten memory
-    dkeys[0] = 1.0  # row 0 already holds a sum
-    written = torch.tensor([True, False, False, False])
-    torch.ops.captioning_native.additive_score_backward(up, keys, q, w, idx, dkeys, written)
-    assert written.tolist() == [True] + [r in read for r in range(1, 4)]
-    for r in range(4):
-        if r == 0:
-            torch.testing.assert_close(dkeys[0], fresh[0] + 1.0, rtol=1e-6, atol=1e-6)
-        elif r in read:
-            assert torch.equal(dkeys[r], fresh[r])
-        else:
-            assert dkeys[r].isnan().all()
-
-
-@pytest.mark.usefixtures("built")
 @pytest.mark.parametrize("shape", [(37, 21), (6272 // 98, 512), (16, 16), (1, 5), (0, 3)],
                          ids=["tails", "keys-like", "one-tile", "one-row", "empty"])
 def test_the_transposing_kernel_equals_atens_transpose(shape: tuple[int, int]) -> None:

@@ -99,30 +99,6 @@ def test_the_keys_gradient_sums_only_running_rows() -> None:
     assert sink.take() is None and seen.grad_fn is not None
 
 
-def test_an_unfilled_sum_reads_as_zero_where_no_step_wrote() -> None:
-    """`unfilled_sum`: no zero fill; rows a kernel has not written (flag False) are zero in the
-    sum handed over, and in the zero-filled sum asked for after it (`running_sum`)."""
-    keys = torch.randn(4, 3, 2, requires_grad=True)
-    _, sink = PassGradient.through(keys)
-    assert sink is not None
-    dense, written = sink.unfilled_sum(torch.float32)
-    assert dense.shape == keys.shape and written.dtype == torch.bool and not written.any()
-    dense.fill_(float("nan"))  # what fresh memory may hold
-    dense[1], written[1] = 5.0, True  # a kernel wrote row 1 only
-    total = sink.take()
-    assert total is not None and total[1].eq(5).all()
-    assert total[[0, 2, 3]].eq(0).all()
-    dense, written = sink.unfilled_sum(torch.float32)  # the next pass starts afresh
-    dense.fill_(float("nan"))
-    dense[3], written[3] = 2.0, True
-    filled = sink.running_sum(torch.float32)  # an ATen step of the same pass: zero-filled
-    assert filled is dense and filled[:3].eq(0).all() and filled[3].eq(2).all()
-    filled[0] += 1
-    dense, written = sink.unfilled_sum(torch.float32)  # every row holds a sum now
-    assert written.all()
-    assert torch.equal(sink.take()[:, 0, 0], torch.tensor([1.0, 0, 0, 2]))
-
-
 def test_without_autograd_it_is_plain_addmm() -> None:
     w, b, x = torch.randn(4, 3, requires_grad=True), torch.randn(2, 3), torch.randn(2, 4)
     with torch.no_grad():

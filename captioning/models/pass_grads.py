@@ -69,7 +69,6 @@ class PassGradient:
         self._inputs: list[Tensor] = []
         self._grads: list[Tensor] = []
         self._dense: Tensor | None = None
-        self._written: Tensor | None = None  # (N,) the rows of `_dense` that hold a sum
 
     @classmethod
     def through(cls, t: Tensor, *, defer: bool = True, dtype: torch.dtype | None = None,
@@ -94,27 +93,7 @@ class PassGradient:
         step."""
         if self._dense is None:
             self._dense = torch.zeros(self.shape, dtype=dtype, device=self.device)
-        self._fill_unwritten()
         return self._dense
-
-    def unfilled_sum(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The running sum and the flags (N,) of its rows that hold a sum, for a kernel that
-        writes a row it meets first instead of adding to it, and sets its flag: no zero fill of
-        the whole tensor once a pass (the sum reads as zero where no step wrote). Where the
-        heap hands out fresh pages, the kernel's first writes take the page faults the fill
-        took (1.6 ms a step at 32 × 196 × 512, either way; docs/benchmarks.md, part 24)."""
-        if self._dense is None:
-            self._dense = torch.empty(self.shape, dtype=dtype, device=self.device)
-            self._written = torch.zeros(self.shape[0], dtype=torch.bool, device=self.device)
-        elif self._written is None:  # zero-filled: every row holds a sum
-            self._written = torch.ones(self.shape[0], dtype=torch.bool, device=self.device)
-        return self._dense, self._written
-
-    def _fill_unwritten(self) -> None:
-        """Zero the rows of the sum that no step wrote (`unfilled_sum`)."""
-        written, self._written = self._written, None
-        if self._dense is not None and written is not None and not bool(written.all()):
-            self._dense[~written] = 0
 
     def add_rows(self, d: Tensor, *, scale: Tensor | None = None) -> None:
         """A step's gradient `d` (times `scale`, broadcast, if given) of the first d.size(0)
@@ -130,7 +109,6 @@ class PassGradient:
         backward starts afresh. Under bf16 autocast the product runs in bf16 (summing in
         float32 inside, as autocast's own products do), rounded once; in float32 under fp16,
         whose range one sum over every step's rows could exceed."""
-        self._fill_unwritten()
         total, self._dense = self._dense, None
         if self._inputs:
             x, g = torch.cat(self._inputs), torch.cat(self._grads)

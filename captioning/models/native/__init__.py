@@ -222,8 +222,8 @@ def dropout_mask(shape: tuple[int, ...], keep: float,
 class RunningSum(Protocol):
     """Where the steps of a pass sum the keys' gradient (`pass_grads.PassGradient`)."""
 
-    def unfilled_sum(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The sum, not zero-filled, and the flags (N,) of the rows that hold a sum."""
+    def running_sum(self, dtype: torch.dtype) -> Tensor:
+        """The sum itself, zero-filled once a pass, for the kernel to add into in place."""
         ...
 
 
@@ -245,12 +245,10 @@ class NativeAdditiveScore(torch.autograd.Function):
                  ) -> tuple[Tensor | None, Tensor, Tensor, None, None]:
         keys, q, w1 = ctx.saved_tensors
         sink: RunningSum | None = ctx.keys_grad
-        # rows no caption reads get no gradient: a zero-filled tensor, or the pass's sum, whose
-        # rows the kernel writes where it meets them first (`written`), not zero-filled
-        dkeys, written = ((keys.new_zeros(keys.shape), None) if sink is None
-                          else sink.unfilled_sum(keys.dtype))
+        # rows no caption reads get no gradient: a zero-filled tensor, or the pass's sum
+        dkeys = keys.new_zeros(keys.shape) if sink is None else sink.running_sum(keys.dtype)
         dq, dw = torch.ops.captioning_native.additive_score_backward(
-            g.contiguous(), keys, q, w1, ctx.rows, dkeys, written)
+            g.contiguous(), keys, q, w1, ctx.rows, dkeys)
         dw = dw.view(ctx.w_shape).to(w1.dtype)
         return (None if sink is not None else dkeys), dq.to(q.dtype), dw, None, None
 

@@ -204,12 +204,11 @@ void score_backward_row(const T* k, const float* q, const float* W, float g, D* 
 // The grid rows (row, l) of the groups are cut into `parts` fixed ranges, each summing dq and
 // dw into its own buffer of `partial` (parts × (b·A + A)): no buffer depends on which thread
 // runs a range. A grid row read by several captions sums their gradients in float32 first,
-// then adds them into dkeys once; one caption adds straight into it. The rows of a `fresh`
-// group hold no sum yet: they start from zero, not from what dkeys holds.
+// then adds them into dkeys once; one caption adds straight into it.
 template <typename T>
 void score_backward(const float* Gup, const T* K, const float* Q, const float* W, T* DK,
-                    const std::vector<char>& fresh, float* partial, int64_t parts,
-                    const Groups& G, int64_t b, int64_t L, int64_t A) {
+                    float* partial, int64_t parts, const Groups& G, int64_t b, int64_t L,
+                    int64_t A) {
   const int64_t tasks = G.size() * L, per_part = (tasks + parts - 1) / parts;
   at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     std::vector<float> dkf(A);
@@ -225,11 +224,10 @@ void score_backward(const float* Gup, const T* K, const float* Q, const float* W
         const int64_t count = G.start[j + 1] - G.start[j];
         if (count == 1) {
           const int64_t c = captions[0];
-          if (fresh[j]) std::fill(dk, dk + A, static_cast<T>(0.f));
           score_backward_row(k, Q + c * A, W, Gup[c * L + l], dk, dq_all + c * A, dw, A);
           continue;
         }
-        for (int64_t a = 0; a < A; ++a) dkf[a] = fresh[j] ? 0.f : static_cast<float>(dk[a]);
+        for (int64_t a = 0; a < A; ++a) dkf[a] = static_cast<float>(dk[a]);
         for (int64_t i = 0; i < count; ++i) {
           const int64_t c = captions[i];
           score_backward_row(k, Q + c * A, W, Gup[c * L + l], dkf.data(), dq_all + c * A, dw,
@@ -358,28 +356,15 @@ at::Tensor additive_score(const at::Tensor& keys, const at::Tensor& q, const at:
   return e;
 }
 
-// `written` (N,) bool, if given: the rows of dkeys that hold a sum; the others are taken as
-// zero (the pass's running sum is not zero-filled first), and are marked once written.
 std::tuple<at::Tensor, at::Tensor> additive_score_backward(
     const at::Tensor& g, const at::Tensor& keys, const at::Tensor& q, const at::Tensor& w,
-    const std::optional<at::Tensor>& rows, at::Tensor& dkeys,
-    const std::optional<at::Tensor>& written) {
+    const std::optional<at::Tensor>& rows, at::Tensor& dkeys) {
   check_score(keys, q, w);
   TORCH_CHECK(dkeys.sizes() == keys.sizes() && dkeys.scalar_type() == keys.scalar_type() &&
               dkeys.is_contiguous(), "dkeys must be contiguous, of the keys' shape and dtype");
   const int64_t b = q.size(0), L = keys.size(1), A = keys.size(2);
   TORCH_CHECK(g.dim() == 2 && g.size(0) == b && g.size(1) == L, "g must be (b, L)");
   const Groups G = group_by_row(rows, b, keys.size(0));
-  bool* marks = nullptr;
-  if (written.has_value() && written->defined()) {
-    TORCH_CHECK(written->dim() == 1 && written->size(0) == keys.size(0) &&
-                written->scalar_type() == at::kBool && written->is_contiguous() &&
-                written->device().is_cpu(), "written must be (N,) bool on the CPU, N = ",
-                keys.size(0));
-    marks = written->mutable_data_ptr<bool>();
-  }
-  std::vector<char> fresh(G.size(), 0);
-  for (int64_t j = 0; j < G.size(); ++j) fresh[j] = marks != nullptr && !marks[G.row[j]];
   const at::Tensor gf = g.to(at::kFloat).contiguous(), qf = q.to(at::kFloat).contiguous(),
                    wf = w.to(at::kFloat).contiguous();
   // one range per thread, fewer where there are few grid rows (each at least kGrain of them)
@@ -390,9 +375,8 @@ std::tuple<at::Tensor, at::Tensor> additive_score_backward(
     using T = decltype(zero);
     score_backward<T>(gf.const_data_ptr<float>(), keys.const_data_ptr<T>(),
                       qf.const_data_ptr<float>(), wf.const_data_ptr<float>(),
-                      dkeys.mutable_data_ptr<T>(), fresh, partial.data(), parts, G, b, L, A);
+                      dkeys.mutable_data_ptr<T>(), partial.data(), parts, G, b, L, A);
   });
-  for (int64_t j = 0; marks != nullptr && j < G.size(); ++j) marks[G.row[j]] = true;
   at::Tensor dq = at::zeros({b, A}, qf.options()), dw = at::zeros({A}, wf.options());
   float* dq_p = dq.mutable_data_ptr<float>();
   float* dw_p = dw.mutable_data_ptr<float>();
@@ -447,7 +431,7 @@ at::Tensor attention_context_backward(const at::Tensor& dz, const at::Tensor& va
 TORCH_LIBRARY(captioning_native, m) {
   m.def("additive_score(Tensor keys, Tensor q, Tensor w, Tensor? rows) -> Tensor");
   m.def("additive_score_backward(Tensor g, Tensor keys, Tensor q, Tensor w, Tensor? rows, "
-        "Tensor(a!) dkeys, Tensor(b!)? written=None) -> (Tensor, Tensor)");
+        "Tensor(a!) dkeys) -> (Tensor, Tensor)");
   m.def("attention_context(Tensor weights, Tensor values, Tensor? rows) -> Tensor");
   m.def("attention_context_backward(Tensor dz, Tensor values, Tensor? rows) -> Tensor");
 }
